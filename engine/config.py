@@ -1,0 +1,93 @@
+"""EngineConfig: every engine setting in one frozen, validated object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import AerieError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine instance. Counts are `num_*`, limits `max_*`."""
+
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "float32" | "bfloat16" | "float16"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 2.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"  # "auto" | "torch" | "flash"
+    num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, "block_size must be >= 1")
+        _require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"
+        )
+        _require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib must be > 0")
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"
+        )
+        _require(
+            self.dtype == "auto" or self.dtype in _DTYPES,
+            f"dtype must be 'auto' or one of {sorted(_DTYPES)}",
+        )
+        _require(
+            self.attention_backend in ("auto", "torch", "flash"),
+            "attention_backend must be 'auto', 'torch' or 'flash'",
+        )
+        _require(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device must be 'auto', 'cpu' or 'cuda[:N]'",
+        )
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> EngineConfig:
+        """Build a config from keyword options, rejecting unknown names clearly."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise AerieError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(model=model, **options)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise AerieError(f"{path}: expected a mapping of engine options")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        model = data.pop("model", cls.model)
+        return cls.from_options(model, **data)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise AerieError(message)

@@ -1,0 +1,50 @@
+"""Self-attention of a decoder layer: fused QKV, optional q/k norm, rotary, paged attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.norm import RMSNorm
+from engine.layers.paged_attention import AttentionMetadata, paged_attention
+from engine.layers.rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,  # Qwen3 normalises q and k per head before rotary
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [T, 1, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KV, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        num_tokens = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H * D]
+        return self.o_proj(out)

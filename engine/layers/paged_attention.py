@@ -1,0 +1,127 @@
+"""Attention over a paged KV cache: the per-step metadata and the torch (SDPA) backend.
+
+Every sequence in a step brings `num_new` query tokens and attends to its whole context (the tokens
+already cached plus the new ones). The metadata says where each new token's K/V is written
+(`slot_mapping`) and which slots each sequence reads (`context_slots`), built once per step
+and shared by every layer. Queries are padded per sequence to [B, Q] so that one SDPA call
+serves the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SequenceAttention:
+    """What one sequence contributes to a step: its block table and how many tokens are new."""
+
+    block_table: list[int]
+    num_cached: int  # tokens whose K/V is already in the cache
+    num_new: int  # tokens computed in this step (queries), written after the cached ones
+    tree_mask: torch.Tensor | None = (
+        None  # [num_new, num_new] bool among the new tokens; None: causal
+    )
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    context_slots: torch.Tensor  # [B, C] flat cache slot of every context entry (padding: slot 0)
+    mask: torch.Tensor  # [B, 1, Q, C] True where a query may attend
+    query_index: (
+        torch.Tensor | None
+    )  # [B, Q] row of each padded query in the flat tokens; None: B == 1
+    output_index: torch.Tensor | None  # [T] row of each token in the flattened [B * Q] output
+
+
+def build_attention_metadata(
+    sequences: list[SequenceAttention],
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+) -> AttentionMetadata:
+    """Metadata for one step. Keys are the context in position order, so key index == position."""
+    num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
+    num_new = torch.tensor([s.num_new for s in sequences])  # [B]
+    context_len = num_cached + num_new  # [B]
+    num_queries, num_keys = int(num_new.max()), int(context_len.max())
+
+    context_slots = _context_slots(sequences, block_size, num_keys)  # [B, C]
+    query_pos = num_cached[:, None] + torch.arange(num_queries)[None, :]  # [B, Q]
+    key_pos = torch.arange(num_keys)[None, None, :]  # [1, 1, C]
+    mask = (key_pos <= query_pos[:, :, None]) & (key_pos < context_len[:, None, None])  # [B, Q, C]
+    if sliding_window is not None:
+        mask &= query_pos[:, :, None] - key_pos < sliding_window
+    _apply_tree_masks(mask, sequences)
+    valid_query = torch.arange(num_queries)[None, :] < num_new[:, None]  # [B, Q]
+    mask &= valid_query[:, :, None]
+    mask[:, :, 0] |= ~valid_query  # padded queries look at one key, so no row is empty (no NaN)
+
+    new_entry = (key_pos[0] >= num_cached[:, None]) & (key_pos[0] < context_len[:, None])  # [B, C]
+    slot_mapping = context_slots[new_entry]  # [T], sequence by sequence
+    query_index = output_index = None
+    if len(sequences) > 1:
+        offsets = torch.cumsum(num_new, 0) - num_new  # [B] first flat token of each sequence
+        query_index = torch.where(valid_query, offsets[:, None] + torch.arange(num_queries), 0)
+        flat_rows = torch.arange(len(sequences) * num_queries).view(-1, num_queries)  # [B, Q]
+        output_index = flat_rows[valid_query]  # [T]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        context_slots=context_slots.to(device),
+        mask=mask.unsqueeze(1).to(device),
+        query_index=None if query_index is None else query_index.to(device),
+        output_index=None if output_index is None else output_index.to(device),
+    )
+
+
+def _context_slots(sequences: list[SequenceAttention], block_size: int, num_keys: int):
+    max_blocks = max(len(s.block_table) for s in sequences)
+    tables = torch.zeros(len(sequences), max_blocks, dtype=torch.long)  # [B, max_blocks]
+    for row, s in enumerate(sequences):
+        tables[row, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    positions = torch.arange(num_keys)  # [C]
+    block_index = (positions // block_size).clamp(max=max_blocks - 1)
+    return tables[:, block_index] * block_size + positions % block_size  # [B, C]
+
+
+def _apply_tree_masks(mask: torch.Tensor, sequences: list[SequenceAttention]) -> None:
+    """Replace the causal mask among a sequence's new tokens by its tree's ancestor mask."""
+    for row, s in enumerate(sequences):
+        if s.tree_mask is not None:
+            start = s.num_cached
+            mask[row, : s.num_new, start : start + s.num_new] = s.tree_mask
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KV, D]
+    v: torch.Tensor,  # [T, KV, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H * D]
+    num_heads, head_dim = q.shape[1:]
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, KV, D]
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    k_flat.index_copy_(0, meta.slot_mapping, k)
+    v_flat.index_copy_(0, meta.slot_mapping, v)
+
+    # [B, Q, H, D]; a single sequence needs no padding
+    queries = q.unsqueeze(0) if meta.query_index is None else q[meta.query_index]
+    keys = k_flat[meta.context_slots]  # [B, C, KV, D]
+    values = v_flat[meta.context_slots]  # [B, C, KV, D]
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),  # [B, H, Q, D]
+        keys.transpose(1, 2),  # [B, KV, C, D]
+        values.transpose(1, 2),
+        attn_mask=meta.mask,  # [B, 1, Q, C]
+        scale=scale,
+        enable_gqa=num_heads != k.shape[1],
+    )  # [B, H, Q, D]
+    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [B * Q, H * D]
+    return out if meta.output_index is None else out[meta.output_index]  # [T, H * D]

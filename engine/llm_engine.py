@@ -1,0 +1,334 @@
+"""LLMEngine: requests in, token deltas out, one `step()` at a time.
+
+Each step reads as the speculative-decoding algorithm: schedule, propose (the drafter), verify (one
+target pass over every scheduled token), accept (sample the next token of each sequence), commit
+(append tokens, check stops, free finished sequences' blocks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.drafter import AutoregressiveDrafter, Drafter
+from engine.errors import InvalidRequestError
+from engine.logits_processing import LogitsContext
+from engine.model_files import load_config, load_state_dict, load_tokenizer, resolve_model_path
+from engine.model_runner import ForwardOutput, ModelRunner
+from engine.models.spec import ModelSpec
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request import Request
+from engine.request_validation import validate_request
+from engine.sampler import SamplerOutput, sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+from engine.stats import FinishedRequestStats, StepStats
+from engine.stop_checker import append_token, held_back_length
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = resolve_model_path(config.model)
+        hf_config = load_config(path)
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.tokenizer = load_tokenizer(path)
+        self.max_model_len = _max_model_len(config, self.spec)
+        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+        self.runner = ModelRunner(
+            config, self.spec, hf_config, load_state_dict(path), self.max_model_len
+        )
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.drafter: Drafter = AutoregressiveDrafter()
+        self.requests: dict[str, Request] = {}
+        self.stats_listeners: list[Callable[[StepStats], None]] = []
+        self._seq_ids = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []  # aborted requests' final deltas
+        self._finished_stats: list[FinishedRequestStats] = []
+
+    # ----------------------------------------------------------------- requests in
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Tokenize and validate a request without touching engine state (safe from any thread)."""
+        if isinstance(prompt, str):
+            text, prompt_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, prompt_ids = None, list(prompt)
+        max_total = validate_request(
+            prompt_ids,
+            params,
+            self.spec.vocab_size,
+            self.max_model_len,
+            self.config,
+            self.block_manager.num_blocks,
+        )
+        metrics = RequestMetrics(
+            arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_ids)
+        )
+        return Request(request_id, text, prompt_ids, params, max_total, self.eos_token_ids, metrics)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | Request,
+        params: SamplingParams | None = None,
+    ) -> None:
+        request = (
+            prompt
+            if isinstance(prompt, Request)
+            else self.make_request(request_id, prompt, params or SamplingParams())
+        )
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        seq = self._new_sequence(request, index=0)
+        request.sequences.append(seq)
+        self.requests[request.request_id] = request
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request now and free its blocks; its final delta comes with the next step."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        request.metrics.finished_time = time.monotonic()
+        for index in range(len(request.sequences), request.params.n):  # choices never forked
+            request.sequences.append(self._unforked_abort(request, index))
+        self._pending_outputs.append(self._delta(request, request.sequences))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            return outputs
+        start = time.perf_counter()
+        self.drafter.propose(batch)  # propose
+        proposed = time.perf_counter()
+        forward = self.runner.execute(batch)  # verify
+        sampling = self._record_computed(batch)
+        verified = time.perf_counter()
+        sampled = self._accept(sampling, forward)  # accept
+        accepted = time.perf_counter()
+        committed = self._commit(sampled)  # commit
+        outputs += committed
+        timings = (proposed - start, verified - proposed, accepted - verified)
+        self._emit_stats(batch, len(sampled), timings)
+        return outputs
+
+    def _record_computed(self, batch: SchedulerOutput) -> list[Sequence]:
+        """The pass wrote the scheduled K/V: advance each sequence; return the sampling ones."""
+        now = time.monotonic()
+        sampling = []
+        for item in batch.scheduled:
+            if item.samples:
+                sampling.append(item.seq)
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_computed_blocks(item.seq)
+            metrics = item.seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        return sampling
+
+    def _accept(self, sampling: list[Sequence], forward: ForwardOutput) -> list[tuple]:
+        """Sample each sequence's next token; the first choice of an n > 1 request forks here."""
+        rows, seqs = [], []
+        for row, seq in enumerate(sampling):
+            for member in [seq, *self._fork_pending_choices(seq)]:
+                rows.append(row)
+                seqs.append(member)
+        logits = forward.logits if len(rows) == len(sampling) else forward.logits[rows]
+        contexts = [
+            LogitsContext(s.request.params, s.token_ids, s.prompt_len, s.request.eos_token_ids)
+            for s in seqs
+        ]
+        result: SamplerOutput = sample(logits, contexts, [s.generator for s in seqs])
+        return list(zip(seqs, result.token_ids, result.logprobs))
+
+    def _fork_pending_choices(self, seq: Sequence) -> list[Sequence]:
+        request, children = seq.request, []
+        while request.num_pending_choices:
+            child = seq.fork(
+                next(self._seq_ids),
+                len(request.sequences),
+                self._generator(request.params, len(request.sequences)),
+            )
+            self.block_manager.fork(seq, child)
+            self.scheduler.add_running(child, after=children[-1] if children else seq)
+            request.sequences.append(child)
+            children.append(child)
+        return children
+
+    def _commit(self, sampled: list[tuple]) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, list[Sequence]] = {}
+        for seq, token_id, logprob in sampled:
+            if seq.num_output_tokens > 0:
+                seq.num_decode_steps += 1
+            status = append_token(seq, token_id, logprob)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            touched.setdefault(seq.request.request_id, []).append(seq)
+        outputs = []
+        for request_id, seqs in touched.items():
+            request = self.requests[request_id]
+            self._update_token_times(request.metrics, now)
+            if request.finished:
+                request.metrics.finished_time = now
+                del self.requests[request_id]
+                self._finished_stats.append(_finished_stats(request))
+            outputs.append(self._delta(request, seqs))
+        return outputs
+
+    # ----------------------------------------------------------------- outputs
+    def _delta(self, request: Request, seqs: Iterable[Sequence]) -> RequestOutput:
+        metrics = request.metrics
+        metrics.num_decode_steps = sum(s.num_decode_steps for s in request.sequences)
+        metrics.num_draft_tokens = sum(s.num_draft_tokens for s in request.sequences)
+        metrics.num_accepted_tokens = sum(s.num_accepted_tokens for s in request.sequences)
+        outputs = [_completion_delta(seq) for seq in seqs]
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            finished=request.finished,
+            metrics=metrics,
+        )
+
+    @staticmethod
+    def _update_token_times(metrics: RequestMetrics, now: float) -> None:
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+
+    def _emit_stats(self, batch: SchedulerOutput, num_generated: int, timings) -> None:
+        finished, self._finished_stats = tuple(self._finished_stats), []
+        if not self.stats_listeners:
+            return
+        prompt_tokens = sum(
+            max(
+                0,
+                min(i.seq.num_computed_tokens, i.seq.prompt_len)
+                - (i.seq.num_computed_tokens - i.num_new_tokens),
+            )
+            for i in batch.scheduled
+        )
+        stats = StepStats(
+            timestamp=time.time(),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_prompt_tokens=prompt_tokens,
+            num_generation_tokens=num_generated,
+            num_preemptions=len(batch.preempted),
+            num_prefix_cache_queries=batch.num_cache_queried_tokens,
+            num_prefix_cache_hits=batch.num_cache_hit_tokens,
+            propose_time_s=timings[0],
+            verify_time_s=timings[1],
+            accept_time_s=timings[2],
+            finished=finished,
+        )
+        for listener in self.stats_listeners:
+            listener(stats)
+
+    # ----------------------------------------------------------------- helpers
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        detokenizer = IncrementalDetokenizer.for_prompt(
+            self.tokenizer, len(request.prompt_token_ids), request.params.skip_special_tokens
+        )
+        return Sequence(
+            next(self._seq_ids),
+            request,
+            index,
+            list(request.prompt_token_ids),
+            len(request.prompt_token_ids),
+            detokenizer,
+            self._generator(request.params, index),
+        )
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Seeded requests sample from their own stream; choice j of n uses seed + j."""
+        if params.seed is None:
+            return None
+        return torch.Generator(self.runner.device).manual_seed(params.seed + index)
+
+    def _unforked_abort(self, request: Request, index: int) -> Sequence:
+        seq = self._new_sequence(request, index)
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        return seq
+
+
+def _completion_delta(seq: Sequence) -> CompletionOutput:
+    """The part of `seq`'s output not yet handed out; text that may become a stop string waits."""
+    params = seq.request.params
+    tokens = seq.output_token_ids[seq.num_emitted_tokens :]
+    end = (
+        len(seq.text)
+        if seq.is_finished
+        else len(seq.text) - held_back_length(seq.text, params.stop)
+    )
+    text = seq.text[seq.num_emitted_chars : end] if end > seq.num_emitted_chars else ""
+    logprobs = seq.logprobs[seq.num_emitted_logprobs :] if params.logprobs is not None else None
+    seq.num_emitted_tokens += len(tokens)
+    seq.num_emitted_chars = max(seq.num_emitted_chars, end)
+    seq.num_emitted_logprobs = len(seq.logprobs)
+    return CompletionOutput(
+        seq.index, text, tokens, seq.status.finish_reason, seq.stop_reason, logprobs
+    )
+
+
+def _finished_stats(request: Request) -> FinishedRequestStats:
+    m = request.metrics
+    reasons = [s.status.finish_reason for s in request.sequences]
+    return FinishedRequestStats(
+        finish_reason="stop" if "stop" in reasons else reasons[0],
+        num_prompt_tokens=m.num_prompt_tokens,
+        num_generation_tokens=sum(s.num_output_tokens for s in request.sequences),
+        queue_time_s=(m.first_scheduled_time or m.arrival_time) - m.arrival_time,
+        ttft_s=None if m.first_token_time is None else m.first_token_time - m.arrival_time,
+        e2e_latency_s=(m.finished_time or time.monotonic()) - m.arrival_time,
+    )
+
+
+def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    if config.max_model_len is None:
+        return spec.max_position_embeddings
+    if config.max_model_len > spec.max_position_embeddings:
+        raise InvalidRequestError(
+            f"max_model_len {config.max_model_len} exceeds the model's context of "
+            f"{spec.max_position_embeddings} tokens"
+        )
+    return config.max_model_len
+
+
+def _eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids = set()
+    for value in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)

@@ -1,0 +1,1 @@
+"""Target model implementations and the registry that picks one for a checkpoint."""

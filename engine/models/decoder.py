@@ -1,0 +1,131 @@
+"""One decoder-only transformer for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+The families differ only in the flags of ModelSpec (biases, q/k norm, sliding window), so one
+implementation serves all four. `forward` returns the final-normed hidden states (EAGLE's features);
+`compute_logits` applies the lm_head to just the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.layers.attention import Attention
+from engine.layers.mlp import GatedMLP
+from engine.layers.norm import RMSNorm
+from engine.layers.paged_attention import AttentionMetadata
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.spec import ModelSpec
+
+# Our fused parameters and the checkpoint tensors they are stacked from, in order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(
+            spec.hidden_size,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            qkv_bias=spec.qkv_bias,
+            o_bias=spec.o_bias,
+            qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
+        )
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+
+    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)  # [T, hidden]
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.rotary = rotary
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tie_weights()
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        spec: ModelSpec,
+        rotary: RotaryEmbedding,
+        state_dict: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> DecoderModel:
+        """Build without random initialisation (on the meta device), then load the weights."""
+        with torch.device("meta"):
+            model = cls(spec, RotaryEmbedding(torch.ones(1), 1.0, 1))
+        model = model.to_empty(device=device)
+        model.tie_weights()  # to_empty makes new tensors, which unties them
+        model.rotary = rotary.to(device)
+        model.load_weights(state_dict)
+        return model.to(dtype).eval()
+
+    def tie_weights(self) -> None:
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: K, V blocks
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos_sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face state dict by name, stacking q/k/v and gate/up into fused params."""
+        weights = {_strip_prefix(name): t for name, t in state_dict.items()}
+        params = dict(self.named_parameters())
+        missing = []
+        for name, param in params.items():
+            tensor = _checkpoint_tensor(weights, name)
+            if tensor is None:
+                missing.append(name)
+                continue
+            if tensor.shape != param.shape:
+                raise ModelLoadError(
+                    f"weight {name}: checkpoint shape {tuple(tensor.shape)} does not match the "
+                    f"config's {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _strip_prefix(name: str) -> str:
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def _checkpoint_tensor(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    if name in weights:
+        return weights[name]
+    for fused, parts in _FUSED.items():
+        if f".{fused}." in name:
+            names = [name.replace(fused, part) for part in parts]
+            if all(n in weights for n in names):
+                return torch.cat([weights[n] for n in names], dim=0)
+    return None

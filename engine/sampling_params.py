@@ -1,0 +1,111 @@
+"""SamplingParams: how one request chooses its tokens and when it stops, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, with vLLM's names and meanings.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 switch those filters off.
+    `logprobs` is the number of top alternatives to return per token (0: only the chosen token's),
+    None returns none. `max_tokens` None means "until the context is full".
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept the forms users pass (a single stop string, lists) and store hashable tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(s for s in (self.stop or ()) if s))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.logit_bias is not None:
+            object.__setattr__(
+                self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()}
+            )
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.n >= 1, "n must be at least 1", "n")
+        _check(self.temperature >= 0, "temperature must be >= 0", "temperature")
+        _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
+        _check(0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty must be in [-2, 2]",
+            "presence_penalty",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty must be in [-2, 2]",
+            "frequency_penalty",
+        )
+        _check(self.repetition_penalty > 0, "repetition_penalty must be > 0", "repetition_penalty")
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens must be at least 1",
+            "max_tokens",
+        )
+        _check(self.min_tokens >= 0, "min_tokens must be >= 0", "min_tokens")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens must not exceed max_tokens",
+            "min_tokens",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be between 0 and {MAX_LOGPROBS}",
+            "logprobs",
+        )
+        _check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be >= 0",
+            "stop_token_ids",
+        )
+        if self.logit_bias:
+            _check(
+                all(-100 <= v <= 100 for v in self.logit_bias.values()),
+                "logit_bias values must be in [-100, 100]",
+                "logit_bias",
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)

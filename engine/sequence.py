@@ -1,0 +1,115 @@
+"""Sequence: one generated continuation (one of a request's n choices) and its progress."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.outputs import TokenLogprob
+    from engine.request import Request
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered so that `is_finished` is one comparison."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids (prompt, then output), how many have K/V cached, and the blocks holding them."""
+
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n choices
+    token_ids: list[int]
+    prompt_len: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None  # set for seeded requests: its own random stream
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    num_hashed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text: str = ""  # output text so far, cut at a stop string
+    num_emitted_chars: int = 0  # text already handed out in deltas
+    stop_reason: int | str | None = None
+    num_emitted_tokens: int = 0  # output tokens already handed out in deltas
+    num_emitted_logprobs: int = 0
+    num_decode_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.prompt_len <= len(self.token_ids):
+            raise ValueError("a sequence needs a non-empty prompt within its tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while tokens other than the last sampled one still lack K/V."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
+        """A sibling sharing this sequence's tokens and blocks (the caller adjusts ref counts)."""
+        return Sequence(
+            seq_id=seq_id,
+            request=self.request,
+            index=index,
+            token_ids=list(self.token_ids),
+            prompt_len=self.prompt_len,
+            detokenizer=self.detokenizer.copy(),
+            generator=generator,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            block_table=list(self.block_table),
+            block_hashes=list(self.block_hashes),
+            num_hashed_blocks=self.num_hashed_blocks,
+            text=self.text,
+        )
+
+
+def sequence_ids() -> itertools.count:
+    """A fresh counter of sequence ids, one per engine."""
+    return itertools.count()

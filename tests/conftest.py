@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random models of each supported family, saved as Hugging Face folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "vocab_size": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
+    kwargs = {**TINY, **overrides}
+    if model_type == "llama":
+        return transformers.LlamaConfig(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            tie_word_embeddings=True,
+            **kwargs,
+        )
+    if model_type == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **kwargs)
+    if model_type == "qwen2":
+        return transformers.Qwen2Config(**kwargs)
+    if model_type == "qwen3":
+        return transformers.Qwen3Config(head_dim=16, **kwargs)
+    raise ValueError(model_type)
+
+
+def save_tiny_model(path: Path, model_type: str, seed: int = 0, **overrides) -> Path:
+    """A random model plus a character-level tokenizer, as a folder the engine can load."""
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _randomize_norms(model)
+    model.save_pretrained(path)
+    _byte_tokenizer(config.vocab_size).save_pretrained(path)
+    return path
+
+
+def _randomize_norms(model) -> None:
+    """Norm weights start at 1 (and biases at 0); make them random so a mix-up shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+
+
+def _byte_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+    """A tokenizer whose tokens are single characters: enough for exact text tests."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = [chr(c) for c in range(32, 32 + vocab_size - 3)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{ch: i + 3 for i, ch in enumerate(alphabet)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {t: save_tiny_model(root / t, t) for t in ("llama", "mistral", "qwen2", "qwen3")}
