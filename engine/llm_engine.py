@@ -55,7 +55,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats_listeners: list[Callable[[StepStats], None]] = []
         self._seq_ids = itertools.count()
-        self._pending_outputs: list[RequestOutput] = []  # aborted requests' final deltas
         self._finished_stats: list[FinishedRequestStats] = []
 
     # ----------------------------------------------------------------- requests in
@@ -102,28 +101,27 @@ class LLMEngine:
         self.requests[request.request_id] = request
         self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> None:
-        """End a request now and free its blocks; its final delta comes with the next step."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now and free its blocks; return its final delta (None if unknown)."""
         request = self.requests.pop(request_id, None)
         if request is None:
-            return
+            return None
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         request.metrics.finished_time = time.monotonic()
         for index in range(len(request.sequences), request.params.n):  # choices never forked
             request.sequences.append(self._unforked_abort(request, index))
-        self._pending_outputs.append(self._delta(request, request.sequences))
+        return self._delta(request, request.sequences)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        return bool(self.requests)
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
         if not batch.scheduled:
-            return outputs
+            return []
         start = time.perf_counter()
         self.drafter.propose(batch)  # propose
         proposed = time.perf_counter()
@@ -132,8 +130,7 @@ class LLMEngine:
         verified = time.perf_counter()
         sampled = self._accept(sampling, forward)  # accept
         accepted = time.perf_counter()
-        committed = self._commit(sampled)  # commit
-        outputs += committed
+        outputs = self._commit(sampled)  # commit
         timings = (proposed - start, verified - proposed, accepted - verified)
         self._emit_stats(batch, len(sampled), timings)
         return outputs

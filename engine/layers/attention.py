@@ -36,15 +36,14 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KV, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        num_tokens = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, num_heads, num_kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * KV) * D]
+        split = (num_heads + num_kv_heads) * self.head_dim
+        qk = qkv[:, :split].view(num_tokens, num_heads + num_kv_heads, self.head_dim)
+        v = qkv[:, split:].view(num_tokens, num_kv_heads, self.head_dim)  # [T, KV, D]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])), dim=1)
+        qk = apply_rotary(qk, *cos_sin)  # [T, H + KV, D]: q and k rotated in one pass
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H * D]
         return self.o_proj(out)

@@ -1,0 +1,367 @@
+"""Aerie's autoregressive decode speed against Hugging Face transformers, side by side.
+
+What it measures, in one run on the default model (smollm2-135m-instruct, fp32):
+
+* batch 1: the first turns of the first ``--num-prompts`` MT-bench questions (81, 82, ...), each
+  through the model's chat template, greedy, ``--max-tokens`` new tokens, through
+  (a) Aerie without a draft head (``LLM(draft=None)``) and (b) transformers'
+  ``model.generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)`` on the same fp32 weights
+  (the folder Aerie converted). The two run interleaved per prompt (Aerie, transformers, Aerie,
+  ...) so machine noise hits both alike, after one warm-up generation each. Reported: tokens/s
+  per prompt and overall (total new tokens / total wall time, prefill included), the ratio
+  Aerie / transformers, and how many prompts got identical greedy tokens from both.
+* batch N (``--batch``, default 16): Aerie's aggregate output tokens/s with the first N prompts
+  submitted in one ``generate`` call, and its ratio to Aerie's batch-1 tokens/s.
+
+By default every request decodes exactly ``--max-tokens`` tokens (``--ignore-eos``): Aerie bans EOS
+for all of them (``SamplingParams(min_tokens=max_tokens)``) and transformers gets
+``min_new_tokens=max_tokens``, the same rule, so the greedy outputs stay comparable. (Aerie's
+``ignore_eos=True`` alone would let greedy emit EOS and decode on, which transformers'
+``min_new_tokens`` forbids.) ``--no-ignore-eos`` lets both stop at EOS.
+
+Prefix caching is off by default (``--prefix-caching`` turns it on) so that Aerie reuses no
+prefill work that transformers has to do, and the batch run does not reuse the batch-1 prompts.
+
+Writes ``engine_ar.json`` (machine, settings, per-prompt figures, summary) and ``engine_ar.png``
+(bar chart) to ``--out-dir`` (default benchmarks/results). Run from the repository root:
+
+    .venv/bin/python benchmarks/bench_engine.py                  # the full benchmark
+    .venv/bin/python benchmarks/bench_engine.py --num-prompts 2 --max-tokens 16 --batch 4 \\
+        --out-dir /tmp/bench_smoke                              # a quick smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.model_files import resolve_model_path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
+QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
+WARMUP_PROMPT = "Say hello and introduce yourself in two sentences."
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=20, help="batch-1 prompts (from Q81)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--batch", type=int, default=16, help="requests in the batched run")
+    parser.add_argument(
+        "--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results", help="output folder"
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode exactly --max-tokens tokens per request, never stopping at EOS",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Aerie's prefix cache (off by default: transformers has none)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu", help="device for both (cpu, cuda, cuda:N)")
+    args = parser.parse_args(argv)
+    if args.num_prompts < 1 or args.max_tokens < 1 or args.batch < 1:
+        parser.error("--num-prompts, --max-tokens and --batch must be >= 1")
+    return args
+
+
+def load_first_turns(count: int) -> list[dict]:
+    """The first `count` MT-bench questions as {question_id, category, text} (first turn)."""
+    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    if count > len(questions):
+        raise SystemExit(f"{QUESTIONS} holds {len(questions)} questions, {count} asked for")
+    return [
+        {"question_id": q["question_id"], "category": q["category"], "text": q["turns"][0]}
+        for q in questions[:count]
+    ]
+
+
+def machine_info() -> dict:
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_1_5_15_at_start": list(os.getloadavg()),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": _git_commit(),
+    }
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def aerie_params(args: argparse.Namespace) -> SamplingParams:
+    # min_tokens bans EOS, the exact counterpart of transformers' min_new_tokens.
+    min_tokens = args.max_tokens if args.ignore_eos else 0
+    return SamplingParams(temperature=0, max_tokens=args.max_tokens, min_tokens=min_tokens)
+
+
+def load_hf_model(device: str):
+    path = resolve_model_path(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def run_aerie(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
+    """Generate all prompts in one call; returns (token id lists, wall seconds)."""
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return [list(o.outputs[0].token_ids) for o in outputs], seconds
+
+
+def run_hf(model, prompt: list[int], args: argparse.Namespace, eos_id: int) -> tuple[list, float]:
+    """One greedy transformers generation; returns (new token ids, wall seconds)."""
+    input_ids = torch.tensor([prompt], device=args.device)
+    extra = {"min_new_tokens": args.max_tokens} if args.ignore_eos else {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=args.max_tokens,
+            pad_token_id=eos_id,
+            **extra,
+        )
+    tokens = out[0, len(prompt) :].tolist()  # .tolist() also waits for a GPU
+    return tokens, time.perf_counter() - start
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def bench_batch1(llm, model, prompts, questions, args, eos_id) -> list[dict]:
+    """Interleaved Aerie / transformers batch-1 runs, one warm-up each first."""
+    params = aerie_params(args)
+    warmup = llm.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}])
+    run_aerie(llm, [warmup], params)
+    run_hf(model, warmup, args, eos_id)
+    rows = []
+    for question, prompt in tqdm(
+        list(zip(questions, prompts)), desc="batch 1 (Aerie, transformers)", unit="prompt"
+    ):
+        (aerie_tokens,), aerie_s = run_aerie(llm, [prompt], params)
+        hf_tokens, hf_s = run_hf(model, prompt, args, eos_id)
+        mismatch = first_mismatch(aerie_tokens, hf_tokens)
+        rows.append(
+            {
+                "question_id": question["question_id"],
+                "category": question["category"],
+                "prompt_tokens": len(prompt),
+                "aerie_tokens": len(aerie_tokens),
+                "aerie_seconds": aerie_s,
+                "aerie_tok_s": len(aerie_tokens) / aerie_s,
+                "hf_tokens": len(hf_tokens),
+                "hf_seconds": hf_s,
+                "hf_tok_s": len(hf_tokens) / hf_s,
+                "aerie_over_hf": (len(aerie_tokens) / aerie_s) / (len(hf_tokens) / hf_s),
+                "identical": mismatch is None,
+                "first_mismatch_index": mismatch,
+                "aerie_token_ids": aerie_tokens,
+            }
+        )
+    return rows
+
+
+def bench_batch(llm, prompts, args) -> dict:
+    """Aerie with all `prompts` submitted in one generate call: aggregate output tokens/s."""
+    with tqdm(total=1, desc=f"batch {len(prompts)} (Aerie)", unit="run") as bar:
+        outputs, seconds = run_aerie(llm, prompts, aerie_params(args))
+        bar.update()
+    total = sum(len(t) for t in outputs)
+    return {
+        "num_requests": len(prompts),
+        "total_tokens": total,
+        "seconds": seconds,
+        "tok_s": total / seconds,
+        "tokens_per_request": [len(t) for t in outputs],
+        "token_ids": outputs,
+    }
+
+
+def summarize(rows: list[dict], batch: dict) -> dict:
+    aerie_tok_s = sum(r["aerie_tokens"] for r in rows) / sum(r["aerie_seconds"] for r in rows)
+    hf_tok_s = sum(r["hf_tokens"] for r in rows) / sum(r["hf_seconds"] for r in rows)
+    # Does batching change Aerie's greedy output? (compared where the prompt ran at batch 1 too)
+    solo = [r["aerie_token_ids"] for r in rows]
+    same_in_batch = [a == b for a, b in zip(solo, batch["token_ids"])]
+    return {
+        "hf_batch1_tok_s": hf_tok_s,
+        "aerie_batch1_tok_s": aerie_tok_s,
+        "aerie_over_hf_batch1": aerie_tok_s / hf_tok_s,
+        "identical_outputs": sum(r["identical"] for r in rows),
+        "num_prompts": len(rows),
+        "aerie_batch_tok_s": batch["tok_s"],
+        "batch": batch["num_requests"],
+        "aerie_batch_over_batch1": batch["tok_s"] / aerie_tok_s,
+        "batch_outputs_equal_batch1": sum(same_in_batch),
+        "batch_outputs_compared": len(same_in_batch),
+    }
+
+
+def print_summary(rows: list[dict], summary: dict) -> None:
+    print(f"\n{'qid':>4} {'prompt':>6} {'aerie tok/s':>11} {'hf tok/s':>9} {'ratio':>6}  same")
+    for r in rows:
+        print(
+            f"{r['question_id']:>4} {r['prompt_tokens']:>6} {r['aerie_tok_s']:>11.1f} "
+            f"{r['hf_tok_s']:>9.1f} {r['aerie_over_hf']:>6.2f}  {'yes' if r['identical'] else 'no'}"
+        )
+    s = summary
+    print(
+        f"\nbatch 1: Aerie {s['aerie_batch1_tok_s']:.1f} tok/s, transformers "
+        f"{s['hf_batch1_tok_s']:.1f} tok/s, Aerie/transformers {s['aerie_over_hf_batch1']:.2f}x"
+    )
+    print(f"identical greedy outputs: {s['identical_outputs']}/{s['num_prompts']}")
+    print(
+        f"batch {s['batch']}: Aerie {s['aerie_batch_tok_s']:.1f} tok/s aggregate, "
+        f"{s['aerie_batch_over_batch1']:.2f}x Aerie batch 1 "
+        f"(outputs equal to batch 1: {s['batch_outputs_equal_batch1']}/"
+        f"{s['batch_outputs_compared']})"
+    )
+
+
+def plot(summary: dict, machine: dict, settings: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = summary
+    labels = ["transformers\nbatch 1", "Aerie\nbatch 1", f"Aerie\nbatch {s['batch']} (aggregate)"]
+    values = [s["hf_batch1_tok_s"], s["aerie_batch1_tok_s"], s["aerie_batch_tok_s"]]
+    notes = [
+        "",
+        f"{s['aerie_over_hf_batch1']:.2f}x transformers",
+        f"{s['aerie_batch_over_batch1']:.2f}x Aerie batch 1",
+    ]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bars = ax.bar(labels, values, color=["#9e9e9e", "#1f77b4", "#ff7f0e"])
+    for bar, value, note in zip(bars, values, notes):
+        text = f"{value:.1f} tok/s" + (f"\n{note}" if note else "")
+        ax.annotate(
+            text,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            xytext=(0, 3),
+            textcoords="offset points",
+            fontsize=9,
+        )
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(0, max(values) * 1.25)
+    ax.set_title(
+        f"{MODEL} fp32, greedy, {settings['max_tokens']} new tokens, "
+        f"{s['num_prompts']} MT-bench prompts\n"
+        f"{machine['cpu_model']}, {machine['torch_threads']} threads; "
+        f"identical outputs {s['identical_outputs']}/{s['num_prompts']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    machine = machine_info()
+    questions = load_first_turns(max(args.num_prompts, args.batch))
+    llm = LLM(
+        model=MODEL,
+        draft=None,
+        device=args.device,
+        dtype="float32",
+        enable_prefix_caching=args.prefix_caching,
+        max_num_seqs=max(64, args.batch),
+    )
+    model = load_hf_model(args.device)
+    eos_id = llm.get_tokenizer().eos_token_id
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q["text"]}]) for q in questions]
+
+    rows = bench_batch1(
+        llm, model, prompts[: args.num_prompts], questions[: args.num_prompts], args, eos_id
+    )
+    batch = bench_batch(llm, prompts[: args.batch], args)
+    summary = summarize(rows, batch)
+
+    machine["load_average_1_5_15_at_end"] = list(os.getloadavg())
+    settings = {
+        "model": MODEL,
+        "model_path": str(resolve_model_path(MODEL)),
+        "dtype": "float32",
+        "device": args.device,
+        "num_prompts": args.num_prompts,
+        "question_ids": [q["question_id"] for q in questions[: args.num_prompts]],
+        "max_tokens": args.max_tokens,
+        "batch": args.batch,
+        "ignore_eos": args.ignore_eos,
+        "greedy": True,
+        "prefix_caching": args.prefix_caching,
+        "aerie": "LLM(draft=None), SamplingParams(temperature=0, max_tokens=N"
+        + (", min_tokens=N)" if args.ignore_eos else ")"),
+        "transformers": "model.generate(do_sample=False, max_new_tokens=N"
+        + (", min_new_tokens=N)" if args.ignore_eos else ")"),
+        "timing": "wall clock per generate call, prefill included; order A, T, A, T, ...",
+    }
+    for r in rows:
+        del r["aerie_token_ids"]
+    del batch["token_ids"]
+    result = {
+        "machine": machine,
+        "settings": settings,
+        "batch1": rows,
+        "batched": batch,
+        "summary": summary,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "engine_ar.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(summary, machine, settings, args.out_dir / "engine_ar.png")
+    print_summary(rows, summary)
+    print(f"\nwrote {args.out_dir / 'engine_ar.json'} and {args.out_dir / 'engine_ar.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Aerie's command line and OpenAI-compatible HTTP server."""

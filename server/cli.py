@@ -1,0 +1,136 @@
+"""The `aerie` command: `serve` (the OpenAI-compatible server), `generate` (a smoke check) and
+`convert` (model setup)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.errors import AerieError
+from server.engine_args import add_engine_arguments, engine_config_from_args
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="aerie", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve(commands)
+    _add_generate(commands)
+    _add_convert(commands)
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except AerieError as exc:
+        sys.exit(f"error: {exc}")
+
+
+def _add_serve(commands) -> None:
+    cmd = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    cmd.add_argument("--model", default=DEFAULT_MODEL)
+    cmd.add_argument("--draft", default="auto", help="draft head: 'auto' or 'none'")
+    cmd.add_argument("--host", default="127.0.0.1")
+    cmd.add_argument("--port", type=int, default=8000)
+    cmd.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    cmd.add_argument("--served-model-name", default=None, help="model id clients use")
+    cmd.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="waiting requests beyond which new ones get 429",
+    )
+    cmd.add_argument("--max-request-bytes", type=int, default=8 << 20)
+    cmd.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may finish after SIGTERM",
+    )
+    add_engine_arguments(cmd)
+    cmd.set_defaults(run=_serve)
+
+
+def _add_generate(commands) -> None:
+    cmd = commands.add_parser("generate", help="print a completion of a prompt")
+    cmd.add_argument("prompt")
+    cmd.add_argument("--model", default=DEFAULT_MODEL)
+    cmd.add_argument("--draft", default="auto", help="draft head: 'auto' or 'none'")
+    cmd.add_argument("--raw", action="store_true", help="complete the text as is, no chat template")
+    cmd.add_argument("--max-tokens", type=int, default=128)
+    cmd.add_argument("--temperature", type=float, default=0.0)
+    cmd.add_argument("--top-p", type=float, default=1.0)
+    cmd.add_argument("--top-k", type=int, default=0)
+    cmd.add_argument("--seed", type=int, default=None)
+    add_engine_arguments(cmd)
+    cmd.set_defaults(run=_generate)
+
+
+def _add_convert(commands) -> None:
+    cmd = commands.add_parser("convert", help="convert a model (alias or .gguf) into the cache")
+    cmd.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    cmd.set_defaults(run=_convert)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from server.serve import default_served_name, serve
+    from server.state import ServerSettings
+
+    _check_draft(args.draft)
+    config = engine_config_from_args(args)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or default_served_name(config.model),
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    serve(config, settings, args.host, args.port)
+
+
+def _check_draft(draft: str) -> None:
+    if draft.lower() not in ("auto", "none"):
+        raise AerieError(
+            "speculative decoding with a draft head is not available yet: "
+            "use --draft auto or --draft none"
+        )
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    draft = None if args.draft.lower() == "none" else args.draft
+    llm = LLM(config.model, draft=draft, **_options_of(config))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    prompt = (
+        args.prompt
+        if args.raw
+        else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    )
+    engine = llm.engine
+    engine.add_request("cli", prompt, params)
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            print(delta.outputs[0].text, end="", flush=True)
+    print()
+
+
+def _convert(args: argparse.Namespace) -> None:
+    from engine.model_files import resolve_model_path
+
+    print(resolve_model_path(args.model))
+
+
+def _options_of(config) -> dict:
+    import dataclasses
+
+    return {
+        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model"
+    }
