@@ -78,24 +78,26 @@ class BlockManager:
         num_reused_free = sum(self.blocks[b].ref_count == 0 for b in cached.block_ids)
         num_held = len(seq.block_table) + len(cached.block_ids)
         num_needed = max(0, self.num_blocks_for(num_tokens) - num_held)
-        num_needed += self._needs_copy_on_write(seq)
+        num_needed += len(self._shared_blocks_to_write(seq))
         return num_needed + num_reused_free <= self.num_free_blocks
 
     def allocate(
         self, seq: Sequence, num_tokens: int, cached: CachedPrefix = CachedPrefix()
     ) -> list[tuple[int, int]]:
         """Grow `seq`'s block table to hold `num_tokens` tokens. Returns the (src, dst) block copies
-        the cache must make first: a shared partial block is copied before it is written."""
+        the cache must make first: a block shared with another sequence is copied before this one
+        writes into it (copy-on-write after a fork)."""
+        copies = []
+        for index in self._shared_blocks_to_write(seq):
+            shared = seq.block_table[index]
+            seq.block_table[index] = self._allocate_free_block()
+            self.blocks[shared].ref_count -= 1
+            copies.append((shared, seq.block_table[index]))
+        # Cached blocks are attached after the copy-on-write check: they are full and this
+        # sequence only reads them, however many others hold them too.
         for block_id in cached.block_ids:
             self._reuse(block_id)
             seq.block_table.append(block_id)
-        copies = []
-        if self._needs_copy_on_write(seq):
-            slot_block = seq.num_computed_tokens // self.block_size
-            shared = seq.block_table[slot_block]
-            seq.block_table[slot_block] = self._allocate_free_block()
-            self.blocks[shared].ref_count -= 1
-            copies.append((shared, seq.block_table[slot_block]))
         while len(seq.block_table) < self.num_blocks_for(num_tokens):
             seq.block_table.append(self._allocate_free_block())
         return copies
@@ -106,13 +108,17 @@ class BlockManager:
         for block_id in child.block_table:
             self.blocks[block_id].ref_count += 1
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` positions (a step's draft scratch)."""
+        keep = self.num_blocks_for(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; the last blocks are evicted first, the shared prefix last."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+            self._release(block_id)
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
 
@@ -120,7 +126,7 @@ class BlockManager:
         """Register the full blocks of `seq` whose K/V is now computed, so others can reuse them."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = seq.num_final_kv_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, num_full):
             block_hash = self._full_block_hashes(seq, i + 1)[-1]
             block = self.blocks[seq.block_table[i]]
@@ -141,15 +147,11 @@ class BlockManager:
             seq.block_hashes.append(hash((previous, tokens)))
         return seq.block_hashes[:num_blocks]
 
-    def _needs_copy_on_write(self, seq: Sequence) -> bool:
-        """The next token goes into a partial block that another sequence also holds."""
-        partial = seq.num_computed_tokens % self.block_size != 0
-        slot_block = seq.num_computed_tokens // self.block_size
-        return (
-            partial
-            and slot_block < len(seq.block_table)
-            and self.blocks[seq.block_table[slot_block]].ref_count > 1
-        )
+    def _shared_blocks_to_write(self, seq: Sequence) -> list[int]:
+        """Indices in `seq`'s block table of blocks it will write into that others also hold."""
+        first = seq.num_final_kv_tokens // self.block_size
+        table = seq.block_table
+        return [i for i in range(first, len(table)) if self.blocks[table[i]].ref_count > 1]
 
     def _allocate_free_block(self) -> int:
         """The least recently freed block, evicted from the prefix cache, with one reference."""
@@ -165,3 +167,9 @@ class BlockManager:
         """Take one more reference to a cached block, reviving it if it was free."""
         self.free_block_ids.pop(block_id, None)
         self.blocks[block_id].ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None

@@ -30,6 +30,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "flash"
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
+    draft: str | None = None  # EAGLE-1/2 head folder; None: plain autoregressive decoding
+    draft_top_k: int = 4  # children scored per expanded node
+    draft_depth: int = 4  # draft layers (head passes per step)
+    draft_total_tokens: int = 16  # tree nodes verified per sequence, the root included
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size must be >= 1")
@@ -49,6 +53,15 @@ class EngineConfig:
         _require(
             self.attention_backend in ("auto", "torch", "flash"),
             "attention_backend must be 'auto', 'torch' or 'flash'",
+        )
+        _require(self.draft_top_k >= 1, "draft_top_k must be >= 1")
+        _require(self.draft_depth >= 1, "draft_depth must be >= 1")
+        _require(self.draft_total_tokens >= 2, "draft_total_tokens must be >= 2")
+        max_nodes = self.draft_top_k + (self.draft_depth - 1) * self.draft_top_k**2
+        _require(
+            self.draft_total_tokens - 1 <= max_nodes,
+            f"draft_total_tokens - 1 must not exceed the {max_nodes} nodes a tree of "
+            "this top_k and depth generates",
         )
         _require(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),

@@ -1,37 +1,91 @@
-"""The drafter protocol through which the engine step speculates.
+"""The drafter protocol through which each engine step speculates: propose, accept, commit.
 
-A drafter proposes draft tokens for the scheduled sequences before the target's verify pass. Plain
-autoregressive decoding is the drafter that proposes nothing: the verify pass then samples exactly
-one token per sequence.
+A drafter proposes a draft tree for each decoding sequence before the target's verify pass, then
+turns the verified logits into the tokens each sequence keeps, and finally learns the target's
+features of the positions that became final. Plain autoregressive decoding is the drafter that
+proposes nothing: its acceptance samples one token per sequence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
+from engine.draft_tree import DraftTree
+from engine.logits_processing import LogitsContext
+from engine.outputs import TokenLogprob
+from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
-class DraftProposals:
-    """Draft tokens per sequence id (empty: no speculation this step)."""
+class Accepted:
+    """What one sequence keeps from a verify pass."""
 
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens.values())
+    token_ids: list[int]  # accepted draft tokens, then the bonus token sampled by the target
+    logprobs: list[TokenLogprob | None]  # one per token
+    accepted_nodes: list[int]  # tree nodes of the accepted drafts (empty without a tree)
 
 
 class Drafter(Protocol):
-    def propose(self, batch: SchedulerOutput) -> DraftProposals:
-        """Draft tokens for the sequences of `batch` that sample this step (changes no sequence)."""
+    num_lookahead_tokens: int  # scratch positions a drafting sequence needs beyond its root
+
+    def propose(self, batch: SchedulerOutput) -> dict[int, DraftTree]:
+        """Draft trees by sequence id, for the scheduled sequences that decode this step."""
+        ...
+
+    def accept(
+        self,
+        seqs: list[Sequence],
+        trees: list[DraftTree | None],
+        logits: torch.Tensor,
+        rows: list[list[int]],
+    ) -> list[Accepted]:
+        """Tokens each sequence keeps. logits: [R, vocab] raw target logits; rows[i] are the rows
+        of seqs[i]'s tree nodes (one row when it has no tree). Changes no sequence."""
+        ...
+
+    def commit(self, seq: Sequence, features: torch.Tensor) -> None:
+        """Target features [k, hidden] of the k positions that just became final for `seq`."""
         ...
 
 
 class AutoregressiveDrafter:
-    """Proposes nothing: every step yields one token per sampling sequence."""
+    """Proposes nothing, so every step yields one sampled token per sequence."""
 
-    def propose(self, batch: SchedulerOutput) -> DraftProposals:
-        return DraftProposals()
+    num_lookahead_tokens = 0
+
+    def propose(self, batch: SchedulerOutput) -> dict[int, DraftTree]:
+        return {}
+
+    def accept(
+        self,
+        seqs: list[Sequence],
+        trees: list[DraftTree | None],
+        logits: torch.Tensor,
+        rows: list[list[int]],
+    ) -> list[Accepted]:
+        return sample_one_each(seqs, logits, [r[0] for r in rows])
+
+    def commit(self, seq: Sequence, features: torch.Tensor) -> None:
+        pass
+
+
+def sample_one_each(seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> list[Accepted]:
+    """Plain sampling: one token per sequence from its row of `logits`."""
+    if not seqs:
+        return []
+    picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
+    contexts = [logits_context(s) for s in seqs]
+    result = sample(picked, contexts, [s.generator for s in seqs])
+    return [Accepted([t], [lp], []) for t, lp in zip(result.token_ids, result.logprobs)]
+
+
+def logits_context(seq: Sequence, path: list[int] = ()) -> LogitsContext:
+    """What the logits after `seq`'s tokens plus the draft `path` are conditioned on."""
+    tokens = seq.token_ids + list(path) if path else seq.token_ids
+    request = seq.request
+    return LogitsContext(request.params, tokens, seq.prompt_len, request.eos_token_ids)

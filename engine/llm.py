@@ -13,6 +13,7 @@ from engine.errors import AerieError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.shipped_heads import resolve_draft
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -20,7 +21,8 @@ Message = dict[str, Any]
 
 class LLM:
     """`LLM(model, draft="auto", **engine_options)`; `generate()` and `chat()` return outputs in
-    prompt order. `draft="auto"` uses the head Aerie ships for the model if there is one."""
+    prompt order. `draft` is an EAGLE head folder, "auto" (the head Aerie ships for the model, if
+    any) or None (plain decoding)."""
 
     def __init__(
         self,
@@ -28,12 +30,10 @@ class LLM:
         draft: str | None = "auto",
         **engine_options: Any,
     ) -> None:
-        if draft not in ("auto", None):
-            raise AerieError(
-                "speculative decoding with a draft head is not available yet: "
-                "use draft='auto' or draft=None"
-            )
-        self.engine = LLMEngine(EngineConfig.from_options(model, **engine_options))
+        config = EngineConfig.from_options(
+            model, draft=resolve_draft(model, draft), **engine_options
+        )
+        self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

@@ -1,8 +1,9 @@
 """LLMEngine: requests in, token deltas out, one `step()` at a time.
 
-Each step reads as the speculative-decoding algorithm: schedule, propose (the drafter), verify (one
-target pass over every scheduled token), accept (sample the next token of each sequence), commit
-(append tokens, check stops, free finished sequences' blocks).
+Each step reads as the speculative-decoding algorithm: schedule; propose (the drafter grows a draft
+tree per decoding sequence); verify (one target pass over every scheduled token and tree node);
+accept (the drafter's lossless rule picks each sequence's new tokens); commit (move accepted K/V
+into place, append tokens, check stops, free what finished and the step's draft scratch).
 """
 
 from __future__ import annotations
@@ -10,27 +11,38 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.drafter import AutoregressiveDrafter, Drafter
+from engine.draft_tree import DraftTree
+from engine.drafter import Accepted, AutoregressiveDrafter, Drafter
 from engine.errors import InvalidRequestError
-from engine.logits_processing import LogitsContext
 from engine.model_files import load_config, load_state_dict, load_tokenizer, resolve_model_path
 from engine.model_runner import ForwardOutput, ModelRunner
 from engine.models.spec import ModelSpec
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Request
 from engine.request_validation import validate_request
-from engine.sampler import SamplerOutput, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import FinishedRequestStats, StepStats
 from engine.stop_checker import append_token, held_back_length
+
+
+@dataclass
+class _Verdict:
+    """One sampling sequence of a step: its draft tree, rows, and what it accepted."""
+
+    seq: Sequence
+    tree: DraftTree | None
+    logits_rows: list[int]
+    token_rows: range
+    accepted: Accepted | None = None
 
 
 class LLMEngine:
@@ -44,18 +56,38 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path)
         self.max_model_len = _max_model_len(config, self.spec)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+        state_dict = load_state_dict(path)
+        head = self._load_head(config) if config.draft else None
+        extra_layers = (head.kv_layer_shape,) if head else ()
         self.runner = ModelRunner(
-            config, self.spec, hf_config, load_state_dict(path), self.max_model_len
+            config, self.spec, hf_config, state_dict, self.max_model_len, extra_layers
         )
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.drafter: Drafter = AutoregressiveDrafter()
+        self.drafter: Drafter = self._make_drafter(head) if head else AutoregressiveDrafter()
+        self.scheduler = Scheduler(config, self.block_manager, self.drafter.num_lookahead_tokens)
         self.requests: dict[str, Request] = {}
         self.stats_listeners: list[Callable[[StepStats], None]] = []
         self._seq_ids = itertools.count()
         self._finished_stats: list[FinishedRequestStats] = []
+
+    def _load_head(self, config: EngineConfig):
+        from drafting.head import load_head  # drafting builds on the engine, not the reverse
+
+        return load_head(
+            config.draft, self.spec, self.max_model_len, config.torch_device, config.torch_dtype
+        )
+
+    def _make_drafter(self, head) -> Drafter:
+        from drafting.eagle_drafter import EagleDrafter, TreeShape
+
+        shape = TreeShape(
+            self.config.draft_top_k, self.config.draft_depth, self.config.draft_total_tokens
+        )
+        return EagleDrafter(
+            head, self.runner.model, self.runner.kv_cache.layers[-1], self.config.block_size, shape
+        )
 
     # ----------------------------------------------------------------- requests in
     def make_request(
@@ -123,71 +155,122 @@ class LLMEngine:
         if not batch.scheduled:
             return []
         start = time.perf_counter()
-        self.drafter.propose(batch)  # propose
+        trees = self.drafter.propose(batch)  # propose
         proposed = time.perf_counter()
-        forward = self.runner.execute(batch)  # verify
-        sampling = self._record_computed(batch)
-        verified = time.perf_counter()
-        sampled = self._accept(sampling, forward)  # accept
-        accepted = time.perf_counter()
-        outputs = self._commit(sampled)  # commit
-        timings = (proposed - start, verified - proposed, accepted - verified)
-        self._emit_stats(batch, len(sampled), timings)
+        verified = self.runner.execute(batch, trees)  # verify
+        num_prompt_tokens = self._record_verified(batch, trees, verified)
+        checked = time.perf_counter()
+        accepted = self._accept(batch, trees, verified)  # accept
+        decided = time.perf_counter()
+        outputs = self._commit(batch, accepted, verified)  # commit
+        timings = (proposed - start, checked - proposed, decided - checked)
+        self._emit_stats(batch, num_prompt_tokens, accepted, timings)
         return outputs
 
-    def _record_computed(self, batch: SchedulerOutput) -> list[Sequence]:
-        """The pass wrote the scheduled K/V: advance each sequence; return the sampling ones."""
+    def _record_verified(
+        self, batch: SchedulerOutput, trees: dict[int, DraftTree], verified: ForwardOutput
+    ) -> int:
+        """The pass wrote the scheduled K/V: advance each sequence (a tree: its root only, until
+        acceptance) and hand the drafter the features of the positions that became final.
+        Returns how many prompt tokens were computed."""
         now = time.monotonic()
-        sampling = []
-        for item in batch.scheduled:
-            if item.samples:
-                sampling.append(item.seq)
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_computed_blocks(item.seq)
-            metrics = item.seq.request.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-        return sampling
+        num_prompt_tokens = 0
+        for item, rows in zip(batch.scheduled, verified.token_rows):
+            seq = item.seq
+            num_final = 1 if seq.seq_id in trees else item.num_new_tokens
+            start = seq.num_computed_tokens
+            num_prompt_tokens += max(0, min(start + num_final, seq.prompt_len) - start)
+            seq.num_computed_tokens += num_final
+            self.drafter.commit(seq, verified.hidden[rows.start : rows.start + num_final])
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+        return num_prompt_tokens
 
-    def _accept(self, sampling: list[Sequence], forward: ForwardOutput) -> list[tuple]:
-        """Sample each sequence's next token; the first choice of an n > 1 request forks here."""
-        rows, seqs = [], []
-        for row, seq in enumerate(sampling):
-            for member in [seq, *self._fork_pending_choices(seq)]:
-                rows.append(row)
-                seqs.append(member)
-        logits = forward.logits if len(rows) == len(sampling) else forward.logits[rows]
-        contexts = [
-            LogitsContext(s.request.params, s.token_ids, s.prompt_len, s.request.eos_token_ids)
-            for s in seqs
-        ]
-        result: SamplerOutput = sample(logits, contexts, [s.generator for s in seqs])
-        return list(zip(seqs, result.token_ids, result.logprobs))
+    def _accept(
+        self, batch: SchedulerOutput, trees: dict[int, DraftTree], verified: ForwardOutput
+    ) -> list[_Verdict]:
+        """Decide each sampling sequence's new tokens; an n > 1 request forks its choices here."""
+        verdicts: list[_Verdict] = []
+        for item, rows, token_rows in zip(
+            batch.scheduled, verified.logits_rows, verified.token_rows
+        ):
+            if rows:
+                tree = trees.get(item.seq.seq_id)
+                for member in [item.seq, *self._fork_pending_choices(item.seq)]:
+                    verdicts.append(_Verdict(member, tree, rows, token_rows))
+        decisions = self.drafter.accept(
+            [v.seq for v in verdicts],
+            [v.tree for v in verdicts],
+            verified.logits,
+            [v.logits_rows for v in verdicts],
+        )
+        for verdict, decision in zip(verdicts, decisions):
+            verdict.accepted = decision
+        return verdicts
 
     def _fork_pending_choices(self, seq: Sequence) -> list[Sequence]:
         request, children = seq.request, []
         while request.num_pending_choices:
-            child = seq.fork(
-                next(self._seq_ids),
-                len(request.sequences),
-                self._generator(request.params, len(request.sequences)),
-            )
+            index = len(request.sequences)
+            child = seq.fork(next(self._seq_ids), index, self._generator(request.params, index))
             self.block_manager.fork(seq, child)
             self.scheduler.add_running(child, after=children[-1] if children else seq)
             request.sequences.append(child)
             children.append(child)
         return children
 
-    def _commit(self, sampled: list[tuple]) -> list[RequestOutput]:
+    def _commit(
+        self, batch: SchedulerOutput, verdicts: list[_Verdict], verified: ForwardOutput
+    ) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, list[Sequence]] = {}
-        for seq, token_id, logprob in sampled:
+        for verdict in verdicts:
+            seq, accepted = verdict.seq, verdict.accepted
+            if verdict.tree is not None:
+                self._commit_accepted_drafts(verdict, verified)
             if seq.num_output_tokens > 0:
                 seq.num_decode_steps += 1
-            status = append_token(seq, token_id, logprob)
-            if status is not None:
-                self.scheduler.finish(seq, status)
+            for token_id, logprob in zip(accepted.token_ids, accepted.logprobs):
+                status = append_token(seq, token_id, logprob)
+                if status is not None:
+                    self.scheduler.finish(seq, status)
+                    break
             touched.setdefault(seq.request.request_id, []).append(seq)
+        for seq in dict.fromkeys([*(i.seq for i in batch.scheduled), *(v.seq for v in verdicts)]):
+            if not seq.is_finished:
+                self.block_manager.trim(seq, seq.num_tokens)  # the draft scratch goes back
+                self.block_manager.cache_computed_blocks(seq)
+        return self._request_deltas(touched, now)
+
+    def _commit_accepted_drafts(self, verdict: _Verdict, verified: ForwardOutput) -> None:
+        """Move the accepted nodes' K/V from their scratch slots into place after the root, and
+        hand their target features to the drafter."""
+        seq, tree, nodes = verdict.seq, verdict.tree, verdict.accepted.accepted_nodes
+        seq.num_draft_tokens += tree.num_draft_tokens
+        seq.num_accepted_tokens += len(nodes)
+        if not nodes:
+            return
+        root = seq.num_computed_tokens - 1  # the root's entry; node n sits at root + n
+        moves = [
+            (root + node, root + depth)
+            for depth, node in enumerate(nodes, start=1)
+            if node != depth
+        ]
+        if moves:
+            self.runner.kv_cache.move_slots(
+                [self._slot(seq, s) for s, _ in moves],
+                [self._slot(seq, d) for _, d in moves],
+                self.spec.num_layers,
+            )
+        seq.num_computed_tokens += len(nodes)
+        rows = [verdict.token_rows.start + node for node in nodes]
+        self.drafter.commit(seq, verified.hidden[rows])
+
+    def _slot(self, seq: Sequence, entry: int) -> int:
+        block_size = self.config.block_size
+        return seq.block_table[entry // block_size] * block_size + entry % block_size
+
+    def _request_deltas(self, touched: dict[str, list[Sequence]], now: float):
         outputs = []
         for request_id, seqs in touched.items():
             request = self.requests[request_id]
@@ -221,28 +304,37 @@ class LLMEngine:
             metrics.first_token_time = now
         metrics.last_token_time = now
 
-    def _emit_stats(self, batch: SchedulerOutput, num_generated: int, timings) -> None:
+    def _emit_stats(
+        self,
+        batch: SchedulerOutput,
+        num_prompt_tokens: int,
+        verdicts: list[_Verdict],
+        timings: tuple[float, float, float],
+    ) -> None:
         finished, self._finished_stats = tuple(self._finished_stats), []
         if not self.stats_listeners:
             return
-        prompt_tokens = sum(
-            max(
-                0,
-                min(i.seq.num_computed_tokens, i.seq.prompt_len)
-                - (i.seq.num_computed_tokens - i.num_new_tokens),
-            )
-            for i in batch.scheduled
+        drafted = [v for v in verdicts if v.tree is not None]
+        accepted_per_position = [0] * max(
+            (len(v.accepted.accepted_nodes) for v in drafted), default=0
         )
+        for verdict in drafted:
+            for position in range(len(verdict.accepted.accepted_nodes)):
+                accepted_per_position[position] += 1
         stats = StepStats(
             timestamp=time.time(),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.block_manager.usage,
-            num_prompt_tokens=prompt_tokens,
-            num_generation_tokens=num_generated,
+            num_prompt_tokens=num_prompt_tokens,
+            num_generation_tokens=sum(len(v.accepted.token_ids) for v in verdicts),
             num_preemptions=len(batch.preempted),
             num_prefix_cache_queries=batch.num_cache_queried_tokens,
             num_prefix_cache_hits=batch.num_cache_hit_tokens,
+            num_drafts=len(drafted),
+            num_draft_tokens=sum(v.tree.num_draft_tokens for v in drafted),
+            num_accepted_tokens=sum(accepted_per_position),
+            accepted_per_position=tuple(accepted_per_position),
             propose_time_s=timings[0],
             verify_time_s=timings[1],
             accept_time_s=timings[2],
@@ -264,6 +356,7 @@ class LLMEngine:
             len(request.prompt_token_ids),
             detokenizer,
             self._generator(request.params, index),
+            num_head_computed_tokens=0 if self.config.draft else None,
         )
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:

@@ -1,4 +1,4 @@
-"""ModelRunner: owns the target model and its KV cache, and runs one batched forward per step."""
+"""ModelRunner: owns the target model and the KV cache, and runs one batched forward per step."""
 
 from __future__ import annotations
 
@@ -7,65 +7,77 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.draft_tree import DraftTree
+from engine.kv_cache import KVCache, LayerShape
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from engine.models.decoder import DecoderModel
 from engine.models.spec import ModelSpec
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSequence, SchedulerOutput
 
 _BYTES_PER_GIB = 1 << 30
 
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    logits: torch.Tensor  # [N, vocab] float32, one row per sampling sequence, in schedule order
-    hidden: torch.Tensor  # [N, hidden] final features of the same rows
+    """One verify pass. Rows of `hidden` follow the scheduled tokens in order; `logits` has a row
+    per sampled position: a sampling sequence's last token, or every node of its draft tree."""
+
+    logits: torch.Tensor  # [R, vocab] float32
+    hidden: torch.Tensor  # [T, hidden] final features of every computed token
+    token_rows: list[range]  # per scheduled sequence: its rows of `hidden`
+    logits_rows: list[list[int]]  # per scheduled sequence: its rows of `logits` (empty: none)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, hf_config, state_dict, max_model_len):
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: ModelSpec,
+        hf_config,
+        state_dict,
+        max_model_len: int,
+        extra_layers: tuple[LayerShape, ...] = (),
+    ) -> None:
         self.config, self.spec = config, spec
         self.device, self.dtype = config.torch_device, config.torch_dtype
         inv_freq, scaling = rope_inverse_frequencies(hf_config, spec.head_dim)
         rotary = RotaryEmbedding(inv_freq, scaling, max_model_len)
         self.model = DecoderModel.from_state_dict(spec, rotary, state_dict, self.device, self.dtype)
-        self.num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCache(
-            spec.num_layers,
-            self.num_blocks,
-            config.block_size,
-            spec.num_kv_heads,
-            spec.head_dim,
-            self.dtype,
-            self.device,
-        )
+        layers = [LayerShape(spec.num_kv_heads, spec.head_dim)] * spec.num_layers
+        layers += list(extra_layers)
+        self.num_blocks = self._num_kv_blocks(layers)
+        self.kv_cache = KVCache(layers, self.num_blocks, config.block_size, self.dtype, self.device)
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, layers: list[LayerShape]) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = KVCache.bytes_per_block(
-            self.spec.num_layers,
-            self.config.block_size,
-            self.spec.num_kv_heads,
-            self.spec.head_dim,
-            self.dtype,
-        )
+        per_block = KVCache.bytes_per_block(layers, self.config.block_size, self.dtype)
         return max(1, int(self.config.kv_cache_memory_gib * _BYTES_PER_GIB) // per_block)
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> ForwardOutput:
-        """Compute the scheduled tokens' K/V, and logits and features where a token is sampled."""
+    def execute(
+        self, batch: SchedulerOutput, trees: dict[int, DraftTree] | None = None
+    ) -> ForwardOutput:
+        """Compute the scheduled tokens' K/V (draft trees' into scratch slots after the root), and
+        logits where a token is sampled."""
+        trees = trees or {}
         self.kv_cache.copy_blocks(batch.block_copies)
-        input_ids, positions, sample_rows = [], [], []
-        sequences = []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []  # rows of `hidden` whose logits are needed
+        sequences, token_rows, logits_rows = [], [], []
         for item in batch.scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + item.num_new_tokens]
-            positions += range(start, start + item.num_new_tokens)
-            sequences.append(SequenceAttention(seq.block_table, start, item.num_new_tokens))
-            if item.samples:
-                sample_rows.append(len(input_ids) - 1)
+            tree = trees.get(item.seq.seq_id)
+            ids, pos, attention = _inputs(item, tree)
+            rows = range(len(input_ids), len(input_ids) + len(ids))
+            sampled = list(rows) if tree else [rows[-1]] if item.samples else []
+            token_rows.append(rows)
+            logits_rows.append(list(range(len(sample_rows), len(sample_rows) + len(sampled))))
+            sample_rows += sampled
+            input_ids += ids
+            positions += pos
+            sequences.append(attention)
         meta = build_attention_metadata(
             sequences, self.config.block_size, self.device, self.spec.sliding_window
         )
@@ -75,7 +87,19 @@ class ModelRunner:
             self.kv_cache.layers,
             meta,
         )  # [T, hidden]
-        hidden = hidden[
-            torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        ]  # [N, hidden]
-        return ForwardOutput(self.model.compute_logits(hidden), hidden)
+        picked = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        return ForwardOutput(self.model.compute_logits(picked), hidden, token_rows, logits_rows)
+
+
+def _inputs(item: ScheduledSequence, tree: DraftTree | None):
+    """Token ids, positions and attention of one scheduled sequence."""
+    seq, start = item.seq, item.seq.num_computed_tokens
+    if tree is None:
+        end = start + item.num_new_tokens
+        ids = seq.token_ids[start:end]
+        return ids, list(range(start, end)), SequenceAttention(seq.block_table, start, len(ids))
+    positions = [start + depth for depth in tree.depths]  # the root sits at `start`
+    attention = SequenceAttention(
+        seq.block_table, start, tree.num_nodes, tree_mask=tree.ancestor_mask(), positions=positions
+    )
+    return list(tree.tokens), positions, attention

@@ -20,6 +20,7 @@ from engine.sequence import Sequence, SequenceStatus
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens whose K/V this step computes, from seq.num_computed_tokens on
+    num_lookahead: int = 0  # scratch positions reserved after them for a draft tree
 
     @property
     def samples(self) -> bool:
@@ -37,12 +38,15 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + s.num_lookahead for s in self.scheduled)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, num_lookahead_tokens: int = 0
+    ) -> None:
         self.max_num_seqs = config.max_num_seqs
+        self.num_lookahead_tokens = num_lookahead_tokens  # what a drafter needs per decode step
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.block_manager = block_manager
@@ -79,14 +83,19 @@ class Scheduler:
             if budget == 0 or seq in preempted:
                 break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + num_new, preempted):
+            lookahead = self._lookahead(seq, num_new, budget)
+            num_tokens = seq.num_computed_tokens + num_new + lookahead
+            if not self._make_room(seq, num_tokens, preempted):
                 break
-            copies += self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
-            scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+            copies += self.block_manager.allocate(seq, num_tokens)
+            scheduled.append(ScheduledSequence(seq, num_new, lookahead))
+            budget -= num_new + lookahead
         queried = hits = 0
-        while not preempted and self.waiting and budget and len(self.running) < self.max_num_seqs:
+        num_seqs = sum(self._num_seqs(seq) for seq in self.running)
+        while not preempted and self.waiting and budget:
             seq = self.waiting[0]
+            if num_seqs + self._num_seqs(seq) > self.max_num_seqs:
+                break
             cached = self._cached_prefix(seq)
             num_new = min(seq.num_tokens - cached.num_tokens, budget)
             if num_new < seq.num_tokens - cached.num_tokens and not self.enable_chunked_prefill:
@@ -95,13 +104,30 @@ class Scheduler:
                 break
             self.waiting.popleft()
             copies += self.block_manager.allocate(seq, cached.num_tokens + num_new, cached)
-            seq.num_computed_tokens = cached.num_tokens
+            seq.reset_computed(cached.num_tokens)
+            if seq.num_output_tokens == 0:  # a first admission, not a recompute
+                seq.request.metrics.num_cached_tokens = cached.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
             queried, hits = queried + seq.num_tokens, hits + cached.num_tokens
+            num_seqs += self._num_seqs(seq)
         return SchedulerOutput(scheduled, preempted, copies, queried, hits)
+
+    def _lookahead(self, seq: Sequence, num_new: int, budget: int) -> int:
+        """Draft scratch for a decoding sequence, within its token cap and the step's budget."""
+        if not self.num_lookahead_tokens or seq.num_computed_tokens + num_new != seq.num_tokens:
+            return 0
+        if num_new != 1:  # still prefilling: it samples plainly this step
+            return 0
+        room = seq.request.max_total_tokens - seq.num_tokens
+        return max(0, min(self.num_lookahead_tokens, room, budget - num_new))
+
+    @staticmethod
+    def _num_seqs(seq: Sequence) -> int:
+        """`seq` and the choices of its request that will fork from it after its prefill."""
+        return 1 + seq.request.num_pending_choices
 
     def _cached_prefix(self, seq: Sequence) -> CachedPrefix:
         if seq.num_computed_tokens:  # a sequence keeps its own blocks; only fresh ones look up
@@ -122,7 +148,7 @@ class Scheduler:
         """Free `seq`'s blocks and queue it first in line; it will recompute its tokens."""
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        seq.reset_computed()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,6 +52,10 @@ class Sequence:
     generator: torch.Generator | None = None  # set for seeded requests: its own random stream
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
+    # With a draft head: positions whose head K/V is computed (None: no head), and the target
+    # features [k, hidden] of positions [num_head_computed_tokens, num_computed_tokens).
+    num_head_computed_tokens: int | None = None
+    pending_features: torch.Tensor | None = None
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_hashed_blocks: int = 0  # leading blocks already offered to the prefix cache
@@ -87,6 +90,20 @@ class Sequence:
         return self.status.is_finished
 
     @property
+    def num_final_kv_tokens(self) -> int:
+        """Leading positions whose K/V is final in every layer (the target's and the head's)."""
+        if self.num_head_computed_tokens is None:
+            return self.num_computed_tokens
+        return min(self.num_computed_tokens, self.num_head_computed_tokens)
+
+    def reset_computed(self, num_cached: int = 0) -> None:
+        """Forget computed K/V beyond the first `num_cached` positions (preemption, cache hits)."""
+        self.num_computed_tokens = num_cached
+        if self.num_head_computed_tokens is not None:
+            self.num_head_computed_tokens = num_cached
+        self.pending_features = None
+
+    @property
     def is_prefilling(self) -> bool:
         """True while tokens other than the last sampled one still lack K/V."""
         return self.num_tokens - self.num_computed_tokens > 1
@@ -107,9 +124,6 @@ class Sequence:
             block_hashes=list(self.block_hashes),
             num_hashed_blocks=self.num_hashed_blocks,
             text=self.text,
+            num_head_computed_tokens=self.num_head_computed_tokens,
+            pending_features=self.pending_features,
         )
-
-
-def sequence_ids() -> itertools.count:
-    """A fresh counter of sequence ids, one per engine."""
-    return itertools.count()

@@ -26,6 +26,10 @@ class StepStats:
     num_preemptions: int
     num_prefix_cache_queries: int  # tokens looked up in the prefix cache
     num_prefix_cache_hits: int
+    num_drafts: int = 0  # sequences that verified a draft tree
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # accepted drafts by depth (index 0: depth 1)
     propose_time_s: float = 0.0
     verify_time_s: float = 0.0
     accept_time_s: float = 0.0

@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> None:
 def _add_serve(commands) -> None:
     cmd = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     cmd.add_argument("--model", default=DEFAULT_MODEL)
-    cmd.add_argument("--draft", default="auto", help="draft head: 'auto' or 'none'")
+    cmd.add_argument(
+        "--draft",
+        default="auto",
+        help="EAGLE head folder, 'auto' (the shipped head, if any) or 'none'",
+    )
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=8000)
     cmd.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
@@ -54,7 +58,11 @@ def _add_generate(commands) -> None:
     cmd = commands.add_parser("generate", help="print a completion of a prompt")
     cmd.add_argument("prompt")
     cmd.add_argument("--model", default=DEFAULT_MODEL)
-    cmd.add_argument("--draft", default="auto", help="draft head: 'auto' or 'none'")
+    cmd.add_argument(
+        "--draft",
+        default="auto",
+        help="EAGLE head folder, 'auto' (the shipped head, if any) or 'none'",
+    )
     cmd.add_argument("--raw", action="store_true", help="complete the text as is, no chat template")
     cmd.add_argument("--max-tokens", type=int, default=128)
     cmd.add_argument("--temperature", type=float, default=0.0)
@@ -75,7 +83,6 @@ def _serve(args: argparse.Namespace) -> None:
     from server.serve import default_served_name, serve
     from server.state import ServerSettings
 
-    _check_draft(args.draft)
     config = engine_config_from_args(args)
     settings = ServerSettings(
         served_model_name=args.served_model_name or default_served_name(config.model),
@@ -87,21 +94,12 @@ def _serve(args: argparse.Namespace) -> None:
     serve(config, settings, args.host, args.port)
 
 
-def _check_draft(draft: str) -> None:
-    if draft.lower() not in ("auto", "none"):
-        raise AerieError(
-            "speculative decoding with a draft head is not available yet: "
-            "use --draft auto or --draft none"
-        )
-
-
 def _generate(args: argparse.Namespace) -> None:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
-    draft = None if args.draft.lower() == "none" else args.draft
-    llm = LLM(config.model, draft=draft, **_options_of(config))
+    llm = LLM(config.model, **_options_of(config))
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

@@ -8,8 +8,9 @@ import types
 import typing
 
 from engine.config import EngineConfig
+from engine.shipped_heads import resolve_draft
 
-_SKIPPED = {"model"}  # each command declares --model itself
+_SKIPPED = {"model", "draft"}  # each command declares --model and --draft itself
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         for f in dataclasses.fields(EngineConfig)
         if f.name not in _SKIPPED and getattr(args, f.name) is not None
     }
+    options["draft"] = resolve_draft(args.model, args.draft)
     if args.config:
         return EngineConfig.from_yaml(args.config, model=args.model, **options)
     return EngineConfig.from_options(args.model, **options)

@@ -33,8 +33,7 @@ def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
             },
-            tie_word_embeddings=True,
-            **kwargs,
+            **{"tie_word_embeddings": True, **kwargs},
         )
     if model_type == "mistral":
         return transformers.MistralConfig(sliding_window=None, **kwargs)
@@ -45,12 +44,21 @@ def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
     raise ValueError(model_type)
 
 
-def save_tiny_model(path: Path, model_type: str, seed: int = 0, **overrides) -> Path:
-    """A random model plus a character-level tokenizer, as a folder the engine can load."""
+def save_tiny_model(path: Path, model_type: str, seed: int = 0, residual_scale: float = 1.0,
+                    **overrides) -> Path:
+    """A random model plus a character-level tokenizer, as a folder the engine can load.
+
+    `residual_scale` < 1 shrinks what attention and MLP add to the residual stream, making the
+    model nearly a bigram model: predictable enough for a quickly trained draft head.
+    """
     torch.manual_seed(seed)
     config = tiny_config(model_type, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     _randomize_norms(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.mul_(residual_scale)
     model.save_pretrained(path)
     _byte_tokenizer(config.vocab_size).save_pretrained(path)
     return path
@@ -87,3 +95,19 @@ def _byte_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
     return {t: save_tiny_model(root / t, t) for t in ("llama", "mistral", "qwen2", "qwen3")}
+
+
+def save_random_head(path: Path, target: Path, seed: int = 0) -> Path:
+    """A randomly initialised EAGLE head for the tiny model in `target` (acceptance near zero)."""
+    from drafting.head import EagleHead, HeadSpec, save_head
+    from engine.layers.rotary import RotaryEmbedding
+
+    config = transformers.AutoConfig.from_pretrained(target)
+    torch.manual_seed(seed)
+    spec = HeadSpec(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads, vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps, fc_bias=True, qkv_bias=False, has_embedding=False)
+    head = EagleHead(spec, RotaryEmbedding(torch.ones(spec.head_dim // 2), 1.0, 1))
+    return save_head(head, path, {"rope_theta": 10000.0}, torch.float32)

@@ -17,14 +17,19 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class SequenceAttention:
-    """What one sequence contributes to a step: its block table and how many tokens are new."""
+    """What one sequence contributes to a step: its block table and how many tokens are new.
+
+    Keys are the sequence's first `num_cached + num_new` cache entries in block-table order; the
+    new tokens' K/V is written to the last `num_new` of them. Queries see every earlier entry
+    (causal), except that `tree_mask` decides for the last `tree_mask.shape[1]` entries: a draft
+    tree's node sees only its ancestors.
+    """
 
     block_table: list[int]
-    num_cached: int  # tokens whose K/V is already in the cache
-    num_new: int  # tokens computed in this step (queries), written after the cached ones
-    tree_mask: torch.Tensor | None = (
-        None  # [num_new, num_new] bool among the new tokens; None: causal
-    )
+    num_cached: int  # entries whose K/V is already in the cache
+    num_new: int  # tokens computed in this step (queries)
+    tree_mask: torch.Tensor | None = None  # [num_new, W] bool over the last W entries; W >= num_new
+    positions: list[int] | None = None  # positions of the new tokens; None: the entry indices
 
 
 @dataclass(frozen=True)
@@ -32,9 +37,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     context_slots: torch.Tensor  # [B, C] flat cache slot of every context entry (padding: slot 0)
     mask: torch.Tensor  # [B, 1, Q, C] True where a query may attend
-    query_index: (
-        torch.Tensor | None
-    )  # [B, Q] row of each padded query in the flat tokens; None: B == 1
+    query_index: torch.Tensor | None  # [B, Q] flat token of each padded query; None when B == 1
     output_index: torch.Tensor | None  # [T] row of each token in the flattened [B * Q] output
 
 
@@ -44,24 +47,25 @@ def build_attention_metadata(
     device: torch.device,
     sliding_window: int | None = None,
 ) -> AttentionMetadata:
-    """Metadata for one step. Keys are the context in position order, so key index == position."""
+    """Metadata for one step, shared by every layer."""
     num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
     num_new = torch.tensor([s.num_new for s in sequences])  # [B]
     context_len = num_cached + num_new  # [B]
     num_queries, num_keys = int(num_new.max()), int(context_len.max())
 
     context_slots = _context_slots(sequences, block_size, num_keys)  # [B, C]
-    query_pos = num_cached[:, None] + torch.arange(num_queries)[None, :]  # [B, Q]
-    key_pos = torch.arange(num_keys)[None, None, :]  # [1, 1, C]
-    mask = (key_pos <= query_pos[:, :, None]) & (key_pos < context_len[:, None, None])  # [B, Q, C]
+    query_entry = num_cached[:, None] + torch.arange(num_queries)[None, :]  # [B, Q]
+    key_entry = torch.arange(num_keys)[None, None, :]  # [1, 1, C]
+    mask = (key_entry <= query_entry[:, :, None]) & (key_entry < context_len[:, None, None])
+    _apply_tree_masks(mask, sequences)  # [B, Q, C]
     if sliding_window is not None:
-        mask &= query_pos[:, :, None] - key_pos < sliding_window
-    _apply_tree_masks(mask, sequences)
+        query_pos, key_pos = _positions(sequences, num_queries, num_keys)
+        mask &= query_pos[:, :, None] - key_pos[:, None, :] < sliding_window
     valid_query = torch.arange(num_queries)[None, :] < num_new[:, None]  # [B, Q]
     mask &= valid_query[:, :, None]
     mask[:, :, 0] |= ~valid_query  # padded queries look at one key, so no row is empty (no NaN)
 
-    new_entry = (key_pos[0] >= num_cached[:, None]) & (key_pos[0] < context_len[:, None])  # [B, C]
+    new_entry = (key_entry[0] >= num_cached[:, None]) & (key_entry[0] < context_len[:, None])
     slot_mapping = context_slots[new_entry]  # [T], sequence by sequence
     query_index = output_index = None
     if len(sequences) > 1:
@@ -78,6 +82,18 @@ def build_attention_metadata(
     )
 
 
+def _positions(sequences: list[SequenceAttention], num_queries: int, num_keys: int):
+    """Positions of queries [B, Q] and keys [B, C]: entry indices unless a sequence says."""
+    key_pos = torch.arange(num_keys).repeat(len(sequences), 1)  # [B, C]
+    query_pos = torch.zeros(len(sequences), num_queries, dtype=torch.long)  # [B, Q]
+    for row, s in enumerate(sequences):
+        new = range(s.num_cached, s.num_cached + s.num_new)
+        if s.positions is not None:
+            key_pos[row, new.start : new.stop] = torch.tensor(s.positions)
+        query_pos[row, : s.num_new] = key_pos[row, new.start : new.stop]
+    return query_pos, key_pos
+
+
 def _context_slots(sequences: list[SequenceAttention], block_size: int, num_keys: int):
     max_blocks = max(len(s.block_table) for s in sequences)
     tables = torch.zeros(len(sequences), max_blocks, dtype=torch.long)  # [B, max_blocks]
@@ -89,11 +105,11 @@ def _context_slots(sequences: list[SequenceAttention], block_size: int, num_keys
 
 
 def _apply_tree_masks(mask: torch.Tensor, sequences: list[SequenceAttention]) -> None:
-    """Replace the causal mask among a sequence's new tokens by its tree's ancestor mask."""
+    """Replace the causal mask over each tree's entries by its ancestor mask."""
     for row, s in enumerate(sequences):
         if s.tree_mask is not None:
-            start = s.num_cached
-            mask[row, : s.num_new, start : start + s.num_new] = s.tree_mask
+            end = s.num_cached + s.num_new
+            mask[row, : s.num_new, end - s.tree_mask.shape[1] : end] = s.tree_mask
 
 
 def paged_attention(

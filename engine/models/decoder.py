@@ -10,19 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
 from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.paged_attention import AttentionMetadata
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.weights import load_named_weights
 from engine.models.spec import ModelSpec
-
-# Our fused parameters and the checkpoint tensors they are stacked from, in order.
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
 
 
 class DecoderLayer(nn.Module):
@@ -97,35 +91,5 @@ class DecoderModel(nn.Module):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict by name, stacking q/k/v and gate/up into fused params."""
-        weights = {_strip_prefix(name): t for name, t in state_dict.items()}
-        params = dict(self.named_parameters())
-        missing = []
-        for name, param in params.items():
-            tensor = _checkpoint_tensor(weights, name)
-            if tensor is None:
-                missing.append(name)
-                continue
-            if tensor.shape != param.shape:
-                raise ModelLoadError(
-                    f"weight {name}: checkpoint shape {tuple(tensor.shape)} does not match the "
-                    f"config's {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
-        if missing:
-            raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-
-
-def _strip_prefix(name: str) -> str:
-    return name[len("model.") :] if name.startswith("model.") else name
-
-
-def _checkpoint_tensor(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    if name in weights:
-        return weights[name]
-    for fused, parts in _FUSED.items():
-        if f".{fused}." in name:
-            names = [name.replace(fused, part) for part in parts]
-            if all(n in weights for n in names):
-                return torch.cat([weights[n] for n in names], dim=0)
-    return None
+        weights = {name.removeprefix("model."): t for name, t in state_dict.items()}
+        load_named_weights(self, weights, "checkpoint")

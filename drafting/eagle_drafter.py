@@ -1,0 +1,285 @@
+"""EagleDrafter: EAGLE-2 drafting for every decoding sequence of a step, batched.
+
+Propose: first the head catches up on the positions whose target features arrived since its last
+pass (prefill chunks, or the root and accepted tokens of the last step): row i reads token i + 1
+and the target's feature at i. For a decoding sequence the last of these rows predicts the feature
+after the root, whose lm_head distribution gives the tree's first layer. Each further layer runs
+the head once on the `top_k` best nodes of the newest layer (each attending to the context and its
+own ancestors), then all candidates are reranked (drafting/tree.py).
+
+Head K/V of tree nodes goes to the sequence's scratch entries after its root: layer d's k rows
+sit at root + (d - 1) * k + r. It is draft-only: the next catch-up overwrites it with real rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from drafting.acceptance import accept_greedy, accept_tree
+from drafting.head import EagleHead
+from drafting.tree import ROOT, Candidates, rerank
+from engine.draft_tree import DraftTree
+from engine.drafter import Accepted, logits_context, sample_one_each
+from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
+from engine.logits_processing import apply_penalties, target_probabilities, token_logprobs
+from engine.models.decoder import DecoderModel
+from engine.outputs import TokenLogprob
+from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.sequence import Sequence
+
+
+@dataclass
+class _HeadRows:
+    """A sequence's head rows of this step: the candidate behind each, and their ancestor mask."""
+
+    candidates: list[int] = field(default_factory=list)
+    mask: torch.Tensor | None = None  # [rows, rows] bool
+
+    def add(self, nodes: list[int], parents: list[int]) -> None:
+        self.mask = _extend_ancestors(self.mask, self.candidates, parents)
+        self.candidates += nodes
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    top_k: int  # children per expanded node, and nodes expanded per layer
+    depth: int  # draft layers
+    total_tokens: int  # nodes verified, the root included
+
+    @property
+    def num_scratch(self) -> int:
+        """Entries after the root a sequence needs: the verified nodes and the head's rows."""
+        return max(self.total_tokens - 1, (self.depth - 1) * self.top_k)
+
+
+class EagleDrafter:
+    def __init__(
+        self,
+        head: EagleHead,
+        target: DecoderModel,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        block_size: int,
+        shape: TreeShape,
+    ) -> None:
+        self.head, self.target, self.kv_cache = head, target, kv_cache
+        self.block_size, self.shape = block_size, shape
+        self.num_lookahead_tokens = shape.num_scratch
+        self.device = target.lm_head.weight.device
+
+    # ------------------------------------------------------------------ propose
+    @torch.inference_mode()
+    def propose(self, batch: SchedulerOutput) -> dict[int, DraftTree]:
+        roots = self._catch_up([item.seq for item in batch.scheduled])
+        drafting = [
+            item for item in batch.scheduled if item.num_lookahead > 0 and item.seq.seq_id in roots
+        ]
+        if not drafting:
+            return {}
+        root_features = torch.stack([roots[item.seq.seq_id] for item in drafting])  # [B, hidden]
+        trees = self._grow(drafting, root_features)
+        return {item.seq.seq_id: tree for item, tree in zip(drafting, trees) if tree is not None}
+
+    def _catch_up(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
+        """Run the head over each sequence's pending rows; return the last row's output [hidden]
+        per sequence whose rows reached its newest token (it can draft from there)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        features, attention, last_rows = [], [], {}
+        for seq in seqs:
+            start = seq.num_head_computed_tokens
+            end = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            if end <= start:
+                continue
+            ids += seq.token_ids[start + 1 : end + 1]  # row i reads token i + 1 ...
+            features.append(seq.pending_features[: end - start])  # ... and the feature at i
+            positions += range(start, end)
+            attention.append(SequenceAttention(seq.block_table, start, end - start))
+            if end == seq.num_tokens - 1:
+                last_rows[seq.seq_id] = len(ids) - 1
+            seq.pending_features = seq.pending_features[end - start :]
+            seq.num_head_computed_tokens = end
+        if not ids:
+            return {}
+        hidden = self._run_head(ids, torch.cat(features), positions, attention)  # [T, hidden]
+        return {seq_id: hidden[row] for seq_id, row in last_rows.items()}
+
+    def _grow(self, items: list[ScheduledSequence], root_features: torch.Tensor):
+        """EAGLE-2 expansion and reranking for B sequences at once."""
+        k, batch = self.shape.top_k, len(items)
+        candidates = Candidates.first_layer(self._draft_logprobs(root_features), k)
+        sources = root_features[:, None, :].expand(-1, k, -1)  # [B, M, hidden] drafting feature
+        depths = [self._depth_for(item.num_lookahead) for item in items]
+        rows = [_HeadRows() for _ in range(batch)]
+        for layer in range(1, max(depths)):
+            active = [b for b in range(batch) if depths[b] > layer]
+            chosen = candidates.newest_layer_best(k)  # [B, k] candidate indices
+            out = self._expand(items, active, layer, candidates, chosen, sources, rows)
+            logprobs = torch.full((batch, k, self._vocab), -torch.inf, device=self.device)
+            logprobs[active] = self._draft_logprobs(out).view(len(active), k, -1)
+            candidates.add_children(chosen, logprobs, k)  # children of inactive rows: -inf
+            children_sources = torch.zeros(batch, k, k, out.shape[-1], device=self.device)
+            children_sources[active] = out.view(len(active), k, 1, -1).expand(-1, -1, k, -1)
+            sources = torch.cat([sources, children_sources.flatten(1, 2)], dim=1)
+        num_keep = [self._num_keep(item.num_lookahead, d) for item, d in zip(items, depths)]
+        roots = [item.seq.token_ids[-1] for item in items]
+        trees = rerank(candidates, roots, num_keep)
+        return [tree if tree.num_draft_tokens else None for tree in trees]
+
+    def _expand(self, items, active, layer, candidates, chosen, sources, rows) -> torch.Tensor:
+        """One head pass over the chosen nodes of layer `layer` of the active sequences."""
+        k = self.shape.top_k
+        ids, positions, attention, features = [], [], [], []
+        for b in active:
+            seq, root = items[b].seq, items[b].seq.num_computed_tokens
+            nodes = chosen[b]
+            ids += candidates.tokens[b, nodes].tolist()
+            features.append(sources[b, nodes])  # [k, hidden] the features that drafted them
+            positions += [root + layer - 1] * k  # a layer-d node's head row is at root + d - 1
+            rows[b].add(nodes.tolist(), candidates.parents[b, nodes].tolist())
+            attention.append(
+                SequenceAttention(
+                    seq.block_table, root + (layer - 1) * k, k, tree_mask=rows[b].mask[-k:]
+                )
+            )
+        return self._run_head(ids, torch.cat(features), positions, attention)  # [A * k, hidden]
+
+    def _run_head(self, ids, features, positions, attention) -> torch.Tensor:
+        meta = build_attention_metadata(attention, self.block_size, self.device)
+        return self.head(
+            torch.tensor(ids, device=self.device),
+            features,
+            torch.tensor(positions, device=self.device),
+            self.kv_cache,
+            meta,
+            self.target.embed_tokens,
+        )
+
+    @property
+    def _vocab(self) -> int:
+        return self.target.lm_head.weight.shape[0]
+
+    def _draft_logprobs(self, features: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] draft log-probabilities through the target's lm_head."""
+        return torch.log_softmax(self.target.compute_logits(features), dim=-1)
+
+    def _depth_for(self, room: int) -> int:
+        """Draft layers that fit in `room` scratch entries (the head's rows and the nodes)."""
+        return max(1, min(self.shape.depth, room, 1 + room // self.shape.top_k))
+
+    def _num_keep(self, room: int, depth: int) -> int:
+        k = self.shape.top_k
+        generated = k + (depth - 1) * k * k
+        return min(self.shape.total_tokens - 1, room, generated)
+
+    # ------------------------------------------------------------------ accept
+    def accept(
+        self,
+        seqs: list[Sequence],
+        trees: list[DraftTree | None],
+        logits: torch.Tensor,
+        rows: list[list[int]],
+    ) -> list[Accepted]:
+        results: list[Accepted | None] = [None] * len(seqs)
+        plain = [i for i, tree in enumerate(trees) if tree is None]
+        for i, accepted in zip(
+            plain, sample_one_each([seqs[i] for i in plain], logits, [rows[i][0] for i in plain])
+        ):
+            results[i] = accepted
+        drafted = [i for i, tree in enumerate(trees) if tree is not None]
+        if drafted:
+            node_logits = logits[[r for i in drafted for r in rows[i]]]  # [R, vocab]
+            verdicts = _accept_trees(
+                [seqs[i] for i in drafted], [trees[i] for i in drafted], node_logits
+            )
+            for i, accepted in zip(drafted, verdicts):
+                results[i] = accepted
+        return results
+
+    # ------------------------------------------------------------------ commit
+    def commit(self, seq: Sequence, features: torch.Tensor) -> None:
+        if seq.pending_features is None or not len(seq.pending_features):
+            seq.pending_features = features.clone()
+        else:
+            seq.pending_features = torch.cat([seq.pending_features, features])
+
+
+def _accept_trees(
+    seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor
+) -> list[Accepted]:
+    """Walk each tree. logits: [R, vocab] raw target logits at every node, tree after tree. The
+    target distributions of all nodes are computed in one batch, then each walk reads its rows."""
+    sizes = [tree.num_nodes for tree in trees]
+    params = [seq.request.params for seq, n in zip(seqs, sizes) for _ in range(n)]
+    processed = _penalised(seqs, trees, logits)
+    greedy = all(p.greedy for p in params)
+    probs = None if greedy else target_probabilities(processed, params)  # [R, vocab]
+    argmax = processed.argmax(dim=-1).tolist()
+    results, start = [], 0
+    for seq, tree, size in zip(seqs, trees, sizes):
+        if seq.request.params.greedy:
+            walk = accept_greedy(tree, argmax[start : start + size])
+        else:
+            walk = accept_tree(tree, probs[start : start + size], seq.generator)
+        tokens = [tree.tokens[n] for n in walk.accepted_nodes] + [walk.bonus_token]
+        logprobs = _emitted_logprobs(seq, tokens, walk.accepted_nodes, logits[start : start + size])
+        results.append(Accepted(tokens, logprobs, walk.accepted_nodes))
+        start += size
+    return results
+
+
+def _penalised(seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor):
+    """Penalties, bias and bans for the nodes of the trees whose requests ask for them; each node
+    is conditioned on its own path."""
+    processed, start = logits, 0
+    for seq, tree in zip(seqs, trees):
+        params = seq.request.params
+        needs = (
+            params.has_penalties or params.logit_bias or seq.num_output_tokens < params.min_tokens
+        )
+        if needs:
+            if processed is logits:
+                processed = logits.clone()
+            contexts = [
+                logits_context(seq, [tree.tokens[n] for n in tree.path_to(node)])
+                for node in range(tree.num_nodes)
+            ]
+            apply_penalties(processed[start : start + tree.num_nodes], contexts)
+        start += tree.num_nodes
+    return processed
+
+
+def _emitted_logprobs(
+    seq: Sequence, tokens: list[int], nodes: list[int], logits: torch.Tensor
+) -> list[TokenLogprob | None]:
+    """Raw target logprobs of the emitted tokens: token j comes from row [0, *nodes][j]."""
+    wanted = seq.request.params.logprobs
+    if wanted is None:
+        return [None] * len(tokens)
+    rows = [0, *nodes]
+    chosen, values, ids = token_logprobs(logits[rows], torch.tensor(tokens), wanted)
+    return [
+        TokenLogprob(t, c, tuple(zip(i, v)))
+        for t, c, i, v in zip(tokens, chosen.tolist(), ids.tolist(), values.tolist())
+    ]
+
+
+def _extend_ancestors(
+    previous: torch.Tensor | None, expanded: list[int], parents: list[int]
+) -> torch.Tensor:
+    """The ancestor mask over a sequence's head rows after appending rows for new nodes.
+
+    `expanded` lists the candidate behind each existing row; `parents` the parent candidate of
+    each new node (ROOT for layer 1, whose root row lies in the context). A row sees itself and
+    its ancestors' rows. Returns [rows + new, rows + new] bool.
+    """
+    old, new = len(expanded), len(parents)
+    mask = torch.zeros(old + new, old + new, dtype=torch.bool)
+    if previous is not None:
+        mask[:old, :old] = previous
+    for r, parent in enumerate(parents):
+        if parent != ROOT:
+            mask[old + r] |= mask[expanded.index(parent)]
+        mask[old + r, old + r] = True
+    return mask

@@ -1,0 +1,227 @@
+"""The EAGLE-1/2 draft head: fc over [embedding, feature], then one decoder layer.
+
+It predicts the target's next feature (the input of the target's lm_head) from the current feature
+and the embedding of the next token, and reuses the target's lm_head (and, when the checkpoint has
+none, the target's embedding). Layer 0 has no input norm and there is no final norm, as in the
+published heads, whose format (config.json plus pytorch_model.bin or model.safetensors) it loads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.kv_cache import LayerShape
+from engine.layers.attention import Attention
+from engine.layers.mlp import GatedMLP
+from engine.layers.norm import RMSNorm
+from engine.layers.paged_attention import AttentionMetadata
+from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
+from engine.layers.weights import FUSED_WEIGHTS, load_named_weights
+from engine.model_files import load_state_dict
+from engine.models.spec import ModelSpec
+
+_LAYER = "layers.0."
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    fc_bias: bool
+    qkv_bias: bool
+    has_embedding: bool
+
+    @classmethod
+    def from_files(cls, config: dict, weights: dict[str, torch.Tensor]) -> HeadSpec:
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            vocab_size=config["vocab_size"],
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            fc_bias="fc.bias" in weights,
+            qkv_bias=f"{_LAYER}self_attn.q_proj.bias" in weights,
+            has_embedding="embed_tokens.weight" in weights,
+        )
+
+
+class EagleHead(nn.Module):
+    def __init__(self, spec: HeadSpec, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h) if spec.has_embedding else None
+        self.fc = nn.Linear(2 * h, h, bias=spec.fc_bias)
+        self.self_attn = Attention(
+            h, spec.num_heads, spec.num_kv_heads, spec.head_dim, qkv_bias=spec.qkv_bias
+        )
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.mlp = GatedMLP(h, spec.intermediate_size)
+        self.rotary = rotary
+
+    @property
+    def kv_layer_shape(self) -> LayerShape:
+        """The head's layer in the engine's paged KV pool."""
+        return LayerShape(self.spec.num_kv_heads, self.spec.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] the token after each feature's position
+        features: torch.Tensor,  # [T, hidden] target (or drafted) features
+        positions: torch.Tensor,  # [T] the features' positions
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        target_embedding: nn.Embedding,
+    ) -> torch.Tensor:  # [T, hidden] the predicted next features
+        embedding = (self.embed_tokens or target_embedding)(input_ids)  # [T, hidden]
+        x = self.fc(torch.cat((embedding, features.to(embedding.dtype)), dim=-1))  # [T, hidden]
+        x = x + self.self_attn(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def load_head(
+    path: str | Path,
+    target: ModelSpec,
+    max_positions: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> EagleHead:
+    """Load and check a head folder against its target; refuse what would load wrongly."""
+    folder = Path(path)
+    config = _read_config(folder)
+    weights = load_state_dict(folder)
+    _refuse_eagle3(config, weights, folder)
+    spec = HeadSpec.from_files(config, weights)
+    _check_against_target(spec, target, weights, folder)
+    from transformers import LlamaConfig
+
+    inv_freq, scaling = rope_inverse_frequencies(LlamaConfig(**_rope_fields(config)), spec.head_dim)
+    head = EagleHead(spec, RotaryEmbedding(inv_freq, scaling, max_positions))
+    _load_weights(head, weights, folder)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def _read_config(folder: Path) -> dict:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"draft head {folder}: no config.json (expected an EAGLE head folder)")
+    try:
+        return json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"draft head {folder}: unreadable config.json ({exc})") from None
+
+
+def _refuse_eagle3(config: dict, weights: dict, folder: Path) -> None:
+    architectures = " ".join(config.get("architectures") or [])
+    if (
+        "eagle3" in architectures.lower()
+        or "d2t" in weights
+        or any(k.startswith("midlayer.") for k in weights)
+    ):
+        raise ModelLoadError(
+            f"draft head {folder} is an EAGLE-3 head, which is not supported yet "
+            "(Aerie loads EAGLE-1/2 heads)"
+        )
+
+
+def _check_against_target(spec: HeadSpec, target: ModelSpec, weights: dict, folder: Path):
+    problems = []
+    if spec.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {spec.hidden_size} != target's {target.hidden_size}")
+    if spec.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {spec.vocab_size} != target's {target.vocab_size}")
+    if any(not t.is_floating_point() for t in weights.values()):
+        problems.append("weights are not floating point (quantized heads are not supported)")
+    fc = weights.get("fc.weight")
+    if fc is not None and tuple(fc.shape) != (spec.hidden_size, 2 * spec.hidden_size):
+        problems.append(
+            f"fc.weight has shape {tuple(fc.shape)}, expected "
+            f"({spec.hidden_size}, {2 * spec.hidden_size})"
+        )
+    if problems:
+        raise ModelLoadError(
+            f"draft head {folder} does not fit the target model: " + "; ".join(problems)
+        )
+
+
+def _rope_fields(config: dict) -> dict:
+    keys = (
+        "hidden_size",
+        "num_attention_heads",
+        "head_dim",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "max_position_embeddings",
+    )
+    return {k: config[k] for k in keys if k in config and config[k] is not None}
+
+
+def _load_weights(head: EagleHead, weights: dict[str, torch.Tensor], folder: Path) -> None:
+    flat = {name.removeprefix(_LAYER): t for name, t in weights.items()}
+    load_named_weights(head, flat, f"draft head {folder}")
+
+
+def save_head(head: EagleHead, folder: str | Path, rope: dict, dtype: torch.dtype) -> Path:
+    """Write `head` in the published EAGLE format: a one-layer Llama config.json plus
+    model.safetensors with unfused q/k/v and gate/up weights under `layers.0.`."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = head.spec
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "bias": spec.fc_bias,
+        "hidden_act": "silu",
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        **rope,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {}
+    for name, tensor in head.state_dict().items():
+        for fused, parts in FUSED_WEIGHTS.items():
+            if name.startswith(fused):
+                suffix = name[len(fused) :]
+                sizes = _fused_sizes(spec, fused)
+                for part, piece in zip(parts, tensor.split(sizes, dim=0)):
+                    tensors[f"{_LAYER}{part}{suffix}"] = piece
+                break
+        else:
+            prefix = "" if name.startswith(("fc.", "embed_tokens.")) else _LAYER
+            tensors[prefix + name] = tensor
+    save_file(
+        {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()},
+        str(folder / "model.safetensors"),
+    )
+    return folder
+
+
+def _fused_sizes(spec: HeadSpec, fused: str) -> list[int]:
+    if fused == "mlp.gate_up_proj":
+        return [spec.intermediate_size] * 2
+    kv = spec.num_kv_heads * spec.head_dim
+    return [spec.num_heads * spec.head_dim, kv, kv]

@@ -1,0 +1,24 @@
+"""Which draft head `draft="auto"` means for a model: the heads Aerie ships, by model alias."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Heads trained by `aerie train-head` and committed under drafting/heads/<alias>/.
+_HEADS_DIR = Path(__file__).resolve().parent.parent / "drafting" / "heads"
+
+
+def shipped_head(model: str) -> Path | None:
+    """The folder of the head shipped for `model` (an alias), or None."""
+    folder = _HEADS_DIR / model
+    return folder if (folder / "config.json").is_file() else None
+
+
+def resolve_draft(model: str, draft: str | None) -> str | None:
+    """ "auto" -> the shipped head or None; "none"/None -> None; anything else is a head path."""
+    if draft is None or draft.lower() == "none":
+        return None
+    if draft == "auto":
+        head = shipped_head(model)
+        return str(head) if head else None
+    return draft

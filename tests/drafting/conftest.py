@@ -1,0 +1,67 @@
+"""Fixtures for speculative decoding: a predictable tiny target, a random head (acceptance near
+zero) and a head trained for seconds on the target's own greedy text (acceptance well above)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import save_random_head, save_tiny_model
+
+
+def train_head_quickly(
+    target_dir: Path, head_dir: Path, out_dir: Path, steps: int = 150, seed: int = 0
+) -> Path:
+    """Fine-tune the head in `head_dir` on greedy continuations of random prompts."""
+    from drafting.features import target_features
+    from drafting.head import load_head, save_head
+    from drafting.train import TrainingExample, head_losses
+    from engine import LLM, SamplingParams
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    llm = LLM(str(target_dir), draft=None, num_kv_blocks=512, block_size=8)
+    vocab = llm.engine.spec.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 12))] for _ in range(64)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outputs]
+    target = llm.engine.runner.model.requires_grad_(False)
+    examples = [
+        TrainingExample(torch.tensor(s), f, torch.ones(len(s), dtype=torch.bool))
+        for s, f in zip(sequences, target_features(target, sequences))
+    ]
+    head = load_head(head_dir, llm.engine.spec, 512, torch.device("cpu"), torch.float32).train()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = head_losses(head, target, rng.sample(examples, 16))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return save_head(head, out_dir, {"rope_theta": 10000.0}, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def bigram_target(tmp_path_factory) -> Path:
+    """A tiny Llama whose layers add little to the residual stream: nearly a bigram model."""
+    root = tmp_path_factory.mktemp("bigram-target")
+    return save_tiny_model(
+        root / "llama",
+        "llama",
+        residual_scale=0.1,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+
+
+@pytest.fixture(scope="session")
+def random_head(bigram_target, tmp_path_factory) -> Path:
+    return save_random_head(tmp_path_factory.mktemp("random-head"), bigram_target)
+
+
+@pytest.fixture(scope="session")
+def trained_head(bigram_target, random_head, tmp_path_factory) -> Path:
+    return train_head_quickly(bigram_target, random_head, tmp_path_factory.mktemp("trained"))

@@ -1,0 +1,165 @@
+"""Speculative decoding changes speed, never output: greedy text equals plain decoding token for
+token under continuous batching, chunked prefill, prefix caching and preemption, with a head that
+is never right and one that often is; and the KV blocks all come back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+NEAR_TIE = 1e-4
+
+
+def mixed_prompts(count: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(2, 45))] for _ in range(count)]
+
+
+def generate(target, draft, prompts, params=GREEDY, **options):
+    llm = LLM(str(target), draft=None if draft is None else str(draft), block_size=4, **options)
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+def assert_same_or_near_tie(target, prompt: list[int], plain: list[int], speculative: list[int]):
+    """Equal, or first different where the target's top two logits are within NEAR_TIE."""
+    if plain == speculative:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b)
+    model = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + plain[:first]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < NEAR_TIE, f"outputs diverge at token {first} with a top-2 logit gap of {gap}"
+
+
+def acceptance_length(outputs) -> float:
+    """Tokens emitted per target pass after prefill (the bonus token included)."""
+    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
+    passes = sum(o.metrics.num_decode_steps for o in outputs)
+    return tokens / passes
+
+
+SCENARIOS = {
+    "continuous batching": dict(num_kv_blocks=1024),
+    "chunked prefill": dict(num_kv_blocks=1024, max_num_batched_tokens=24),
+    "forced preemption": dict(num_kv_blocks=48, max_num_seqs=8),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("head", ["random_head", "trained_head"])
+def test_greedy_speculation_equals_plain_decoding(bigram_target, head, scenario, request):
+    draft = request.getfixturevalue(head)
+    prompts = mixed_prompts(12)
+    options = SCENARIOS[scenario]
+    _, plain = generate(bigram_target, None, prompts, **options)
+    llm, speculative = generate(bigram_target, draft, prompts, **options)
+    for prompt, a, b in zip(prompts, plain, speculative):
+        assert_same_or_near_tie(
+            bigram_target, prompt, a.outputs[0].token_ids, b.outputs[0].token_ids
+        )
+    if scenario == "forced preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    drafted = sum(o.metrics.num_draft_tokens for o in speculative)
+    accepted = sum(o.metrics.num_accepted_tokens for o in speculative)
+    assert drafted > 0
+    if head == "trained_head":
+        assert acceptance_length(speculative) > 1.5, "the trained head should be right often"
+    else:
+        assert accepted < 0.05 * drafted, "a random head is almost never right"
+
+
+def test_prefix_caching_with_speculation(bigram_target, trained_head):
+    shared = mixed_prompts(1, seed=5)[0] * 2  # a long common prefix
+    prompts = [shared + tail for tail in mixed_prompts(6, seed=6)]
+    _, plain = generate(bigram_target, None, prompts, num_kv_blocks=1024)
+    llm = LLM(str(bigram_target), draft=str(trained_head), block_size=4, num_kv_blocks=1024)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)  # now served from the prefix cache
+    assert sum(o.metrics.num_cached_tokens for o in again) > 0
+    for prompt, a, b, c in zip(prompts, plain, first, again):
+        assert_same_or_near_tie(
+            bigram_target, prompt, a.outputs[0].token_ids, b.outputs[0].token_ids
+        )
+        assert b.outputs[0].token_ids == c.outputs[0].token_ids
+
+
+def test_logprobs_and_stops_match_plain_decoding(bigram_target, trained_head):
+    prompts = mixed_prompts(6, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
+    _, plain = generate(bigram_target, None, prompts, params, num_kv_blocks=1024)
+    _, speculative = generate(bigram_target, trained_head, prompts, params, num_kv_blocks=1024)
+    for a, b in zip(plain, speculative):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.token_id == y.token_id
+            assert abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top_logprobs] == [t for t, _ in y.top_logprobs]
+    # a stop token inside an accepted run ends the request exactly where plain decoding ends
+    stop_token = plain[0].outputs[0].token_ids[7]
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token])
+    _, plain = generate(bigram_target, None, prompts[:1], params, num_kv_blocks=1024)
+    _, speculative = generate(bigram_target, trained_head, prompts[:1], params, num_kv_blocks=1024)
+    assert plain[0].outputs[0].token_ids == speculative[0].outputs[0].token_ids
+    assert speculative[0].outputs[0].finish_reason == "stop"
+    assert speculative[0].outputs[0].token_ids[-1] == stop_token
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(bigram_target, trained_head):
+    prompts = mixed_prompts(8, seed=4)
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=25, seed=100 + i)
+        for i in range(len(prompts))
+    ]
+    _, together = generate(bigram_target, trained_head, prompts, params, num_kv_blocks=1024)
+    _, again = generate(bigram_target, trained_head, prompts, params, num_kv_blocks=1024)
+    _, alone = generate(bigram_target, trained_head, prompts[2:3], params[2:3], num_kv_blocks=1024)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in again]
+    assert alone[0].outputs[0].token_ids == together[2].outputs[0].token_ids
+
+
+def test_blocks_come_back_under_random_load_with_aborts(bigram_target, trained_head):
+    llm = LLM(
+        str(bigram_target),
+        draft=str(trained_head),
+        block_size=4,
+        num_kv_blocks=96,
+        max_num_seqs=12,
+        max_num_batched_tokens=64,
+    )
+    engine, rng = llm.engine, random.Random(7)
+    finished: dict[str, int] = {}
+    prompts = mixed_prompts(120, seed=8)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 1.0]),
+            max_tokens=rng.randrange(1, 30),
+            n=rng.choice([1, 1, 2]),
+            seed=i,
+        )
+        engine.add_request(str(i), prompt, params)
+        if rng.random() < 0.5:
+            for output in engine.step():
+                finished[output.request_id] = finished.get(output.request_id, 0) + output.finished
+        if rng.random() < 0.15:
+            victim = str(rng.randrange(i + 1))
+            final = engine.abort_request(victim)
+            if final is not None:
+                finished[victim] = finished.get(victim, 0) + 1
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            finished[output.request_id] = finished.get(output.request_id, 0) + output.finished
+    assert engine.scheduler.num_preemptions > 0
+    assert sorted(finished, key=int) == [str(i) for i in range(len(prompts))]
+    assert set(finished.values()) == {1}
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    assert all(block.ref_count == 0 for block in manager.blocks)

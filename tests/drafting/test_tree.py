@@ -1,0 +1,121 @@
+"""The EAGLE-2 dynamic tree: expansion, reranking, and the flattened tree's masks and paths."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from drafting.tree import ROOT, Candidates, rerank
+from engine.draft_tree import DraftTree
+
+
+def logprobs_from(rows: list[dict[int, float]], vocab: int = 10) -> torch.Tensor:
+    """[len(rows), vocab] log-probabilities with the given probabilities (rest spread evenly)."""
+    out = torch.empty(len(rows), vocab)
+    for i, probs in enumerate(rows):
+        rest = (1 - sum(probs.values())) / (vocab - len(probs))
+        out[i] = math.log(rest)
+        for token, p in probs.items():
+            out[i, token] = math.log(p)
+    return out
+
+
+def grow(seed: int, top_k: int, depth: int, vocab: int = 12) -> Candidates:
+    """Candidates for one sequence from random draft distributions."""
+    generator = torch.Generator().manual_seed(seed)
+    candidates = Candidates.first_layer(
+        torch.log_softmax(torch.randn(1, vocab, generator=generator) * 2, -1), top_k
+    )
+    for _ in range(depth - 1):
+        chosen = candidates.newest_layer_best(top_k)
+        logits = torch.randn(1, top_k, vocab, generator=generator) * 2
+        candidates.add_children(chosen, torch.log_softmax(logits, -1), top_k)
+    return candidates
+
+
+def test_worked_example_from_the_module_docstring():
+    candidates = Candidates.first_layer(logprobs_from([{1: 0.9, 2: 0.09}]), 2)
+    chosen = candidates.newest_layer_best(2)
+    children = logprobs_from([{3: 0.9, 4: 0.05}, {5: 0.9, 6: 0.01}])[None]
+    candidates.add_children(chosen, children, 2)
+    (tree,) = rerank(candidates, roots=[0], num_keep=[3])
+    assert tree.tokens == [0, 1, 2, 3]  # a, b (layer 1) then aa: breadth first
+    assert tree.parents == [-1, 0, 0, 1]
+    assert tree.depths == [0, 1, 1, 2]
+
+
+def test_kept_set_is_the_best_by_value_and_connected():
+    for seed in range(20):
+        candidates = grow(seed, top_k=3, depth=4)
+        values = candidates.values[0].tolist()
+        (tree,) = rerank(candidates, roots=[7], num_keep=[10])
+        assert tree.num_draft_tokens == 10
+        kept_values = sorted(tree.values[1:], reverse=True)
+        assert kept_values == sorted(values, reverse=True)[:10]
+        for node in range(1, tree.num_nodes):
+            parent = tree.parents[node]
+            assert parent < node  # parents come first: the tree is connected and flat
+            assert tree.depths[node] == tree.depths[parent] + 1
+            assert tree.values[node] <= tree.values[parent]
+
+
+def test_expansion_uses_only_the_best_nodes_of_the_newest_layer():
+    candidates = grow(3, top_k=2, depth=3)
+    parents, depths = candidates.parents[0].tolist(), candidates.depths[0].tolist()
+    values = candidates.values[0].tolist()
+    for layer in (1, 2):
+        in_layer = [c for c, d in enumerate(depths) if d == layer]
+        best = sorted(in_layer, key=lambda c: -values[c])[:2]
+        expanded = {p for c, p in enumerate(parents) if depths[c] == layer + 1}
+        assert expanded == set(best)
+    assert all(p == ROOT for c, p in enumerate(parents) if depths[c] == 1)
+
+
+def test_ties_go_to_the_shallower_node():
+    # node a (p 1/2) has a child of p 1/2: value log 1/4, exactly node b's (p 1/4)
+    candidates = Candidates.first_layer(logprobs_from([{1: 0.5, 2: 0.25}]), 2)
+    children = logprobs_from([{3: 0.5}, {4: 0.5}])[None]
+    candidates.add_children(candidates.newest_layer_best(2), children, 2)
+    (tree,) = rerank(candidates, roots=[0], num_keep=[2])
+    assert tree.tokens == [0, 1, 2]  # b, not a's equal-valued child
+    # a child whose probability is 1 ties with its parent: the parent is kept first
+    certain = Candidates.first_layer(logprobs_from([{1: 0.5, 2: 0.25}]), 2)
+    sure_child = torch.full((1, 2, 10), -torch.inf)
+    sure_child[0, :, 5] = 0.0
+    certain.add_children(certain.newest_layer_best(2), sure_child, 1)
+    (tree,) = rerank(certain, roots=[0], num_keep=[1])
+    assert tree.tokens == [0, 1]
+
+
+def test_masks_positions_and_paths():
+    tree = DraftTree(
+        tokens=[9, 1, 2, 3, 4, 5],
+        parents=[-1, 0, 0, 1, 1, 3],
+        depths=[0, 1, 1, 2, 2, 3],
+        values=[0, -1, -2, -1.5, -3, -2],
+    )
+    mask = tree.ancestor_mask()
+    expected_ancestors = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 1, 3, 5}}
+    for node, ancestors in expected_ancestors.items():
+        assert set(torch.nonzero(mask[node]).flatten().tolist()) == ancestors
+    assert tree.path_to(5) == [1, 3, 5]
+    assert tree.path_to(0) == []
+    assert tree.children() == [[1, 2], [3, 4], [], [5], [], []]  # best value first
+
+
+def test_batched_rerank_matches_one_at_a_time():
+    batch = Candidates.first_layer(torch.log_softmax(torch.randn(3, 12), -1), 3)
+    for _ in range(2):
+        chosen = batch.newest_layer_best(3)
+        batch.add_children(chosen, torch.log_softmax(torch.randn(3, 3, 12), -1), 3)
+    together = rerank(batch, roots=[1, 2, 3], num_keep=[5, 8, 1])
+    for b in range(3):
+        single = Candidates(
+            batch.tokens[b : b + 1],
+            batch.values[b : b + 1],
+            batch.parents[b : b + 1],
+            batch.depths[b : b + 1],
+        )
+        (alone,) = rerank(single, roots=[b + 1], num_keep=[[5, 8, 1][b]])
+        assert alone == together[b]
