@@ -404,14 +404,19 @@ def _finished_stats(request: Request) -> FinishedRequestStats:
 
 
 def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
-    if config.max_model_len is None:
-        return spec.max_position_embeddings
-    if config.max_model_len > spec.max_position_embeddings:
-        raise InvalidRequestError(
-            f"max_model_len {config.max_model_len} exceeds the model's context of "
-            f"{spec.max_position_embeddings} tokens"
-        )
-    return config.max_model_len
+    """The context length served. Without chunked prefill a whole sequence must fit in one step's
+    token budget (its prefill, or its recompute after preemption), so the budget caps it."""
+    max_len = spec.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > max_len:
+            raise InvalidRequestError(
+                f"max_model_len {config.max_model_len} exceeds the model's context of "
+                f"{max_len} tokens"
+            )
+        max_len = config.max_model_len
+    if not config.enable_chunked_prefill:
+        max_len = min(max_len, config.max_num_batched_tokens)
+    return max_len
 
 
 def _eos_token_ids(hf_config, tokenizer) -> frozenset[int]:

@@ -9,7 +9,9 @@ _HEADS_DIR = Path(__file__).resolve().parent.parent / "drafting" / "heads"
 
 
 def shipped_head(model: str) -> Path | None:
-    """The folder of the head shipped for `model` (an alias), or None."""
+    """The folder of the head shipped for `model` (an alias), or None (paths have none)."""
+    if Path(model).name != model or Path(model).exists():
+        return None
     folder = _HEADS_DIR / model
     return folder if (folder / "config.json").is_file() else None
 

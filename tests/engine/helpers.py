@@ -1,0 +1,117 @@
+"""Helpers shared by the engine tests: engines on tiny models, transformers references, outputs."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from engine import LLM
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+# fp32 on the CPU: our logits and transformers' differ by ~1e-6; a greedy choice may differ only
+# where transformers' two best logits are closer than this (a near-tie).
+NEAR_TIE = 1e-4
+VOCAB = 256  # the tiny models' vocabulary (tests/conftest.py)
+FIRST_TEXT_TOKEN = 3  # ids 0-2 are <pad>, <s>, </s>
+
+
+def cpu_options(**options) -> dict:
+    """Engine options for exact comparisons: CPU and fp32 whatever the machine has, and a KV pool
+    sized for tiny models (the default 2 GiB would take seconds to allocate)."""
+    return {"device": "cpu", "dtype": "float32", "num_kv_blocks": 256, **options}
+
+
+def tiny_engine(path: Path, **options) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), **cpu_options(**options)))
+
+
+def tiny_llm(path: Path, **options) -> LLM:
+    """The facade on a model folder, decoding plainly (no draft head)."""
+    return LLM(str(path), draft=None, **cpu_options(**options))
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    """Token ids of ordinary characters (never <pad>, <s> or </s>)."""
+    return [rng.randrange(FIRST_TEXT_TOKEN, VOCAB) for _ in range(length)]
+
+
+def load_hf_model(path: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@dataclass(frozen=True)
+class Reference:
+    """transformers' greedy continuation of a prompt and its logits at each generated position."""
+
+    tokens: list[int]
+    logits: torch.Tensor  # [len(tokens), vocab] float32
+
+
+@torch.inference_mode()
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], num_tokens: int) -> Reference:
+    """transformers' own greedy `generate`, never stopping at EOS."""
+    config = transformers.GenerationConfig(
+        max_new_tokens=num_tokens,
+        min_new_tokens=num_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    out = model.generate(
+        torch.tensor([prompt]),
+        generation_config=config,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    assert len(tokens) == num_tokens, "transformers stopped early"
+    return Reference(tokens, torch.cat(out.logits).float())
+
+
+@torch.inference_mode()
+def hf_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of `token_ids`: [len, vocab] float32."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def assert_greedy_matches(ours: list[int], reference: Reference, label: str = "") -> None:
+    """Our greedy tokens equal transformers' token for token. Floating point may break a near-tie
+    the other way; then the rest cannot be compared, but the divergence must be such a tie."""
+    assert len(ours) == len(reference.tokens), (
+        f"{label}: {len(ours)} tokens, expected {len(reference.tokens)}"
+    )
+    for step, (mine, theirs) in enumerate(zip(ours, reference.tokens)):
+        if mine != theirs:
+            gap = float(reference.logits[step, theirs] - reference.logits[step, mine])
+            assert gap <= NEAR_TIE, (
+                f"{label}: token {step} is {mine}, transformers chose {theirs} by a logit margin "
+                f"of {gap:.2e} (not a near-tie); ours {ours}, theirs {reference.tokens}"
+            )
+            return
+
+
+def collect(outputs: dict[str, RequestOutput], deltas: Iterable[RequestOutput]) -> None:
+    """Merge streamed deltas into one cumulative output per request."""
+    for delta in deltas:
+        if delta.request_id in outputs:
+            outputs[delta.request_id].merge(delta)
+        else:
+            outputs[delta.request_id] = delta
+
+
+def run_engine(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestOutput]:
+    """Step until every request has finished; return the merged outputs by request id."""
+    outputs: dict[str, RequestOutput] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return outputs
+        collect(outputs, engine.step())
+    raise AssertionError(f"requests still unfinished after {max_steps} steps (engine stalled?)")
