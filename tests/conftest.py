@@ -44,8 +44,9 @@ def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
     raise ValueError(model_type)
 
 
-def save_tiny_model(path: Path, model_type: str, seed: int = 0, residual_scale: float = 1.0,
-                    **overrides) -> Path:
+def save_tiny_model(
+    path: Path, model_type: str, seed: int = 0, residual_scale: float = 1.0, **overrides
+) -> Path:
     """A random model plus a character-level tokenizer, as a folder the engine can load.
 
     `residual_scale` < 1 shrinks what attention and MLP add to the residual stream, making the
@@ -91,6 +92,17 @@ def _byte_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Test models are tiny: one thread is faster than several, and far faster on a shared
+    machine, where torch's threads spin waiting for each other (5 s instead of 12 s for the
+    random-traffic test on two busy cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
@@ -105,9 +117,16 @@ def save_random_head(path: Path, target: Path, seed: int = 0) -> Path:
     config = transformers.AutoConfig.from_pretrained(target)
     torch.manual_seed(seed)
     spec = HeadSpec(
-        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-        head_dim=config.hidden_size // config.num_attention_heads, vocab_size=config.vocab_size,
-        rms_norm_eps=config.rms_norm_eps, fc_bias=True, qkv_bias=False, has_embedding=False)
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps,
+        fc_bias=True,
+        qkv_bias=False,
+        has_embedding=False,
+    )
     head = EagleHead(spec, RotaryEmbedding(torch.ones(spec.head_dim // 2), 1.0, 1))
     return save_head(head, path, {"rope_theta": 10000.0}, torch.float32)
