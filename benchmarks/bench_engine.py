@@ -1,4 +1,4 @@
-"""Aerie's autoregressive decode speed against Hugging Face transformers, side by side.
+"""Aerie's decode speed, plain (AR) and speculative, against Hugging Face transformers.
 
 What it measures, in one run on the default model (smollm2-135m-instruct, fp32):
 
@@ -12,6 +12,10 @@ What it measures, in one run on the default model (smollm2-135m-instruct, fp32):
   Aerie / transformers, and how many prompts got identical greedy tokens from both.
 * batch N (``--batch``, default 16): Aerie's aggregate output tokens/s with the first N prompts
   submitted in one ``generate`` call, and its ratio to Aerie's batch-1 tokens/s.
+* with ``--draft HEAD`` (default: the head shipped for the model, if any), a speculative column:
+  Aerie with that EAGLE head runs beside AR in the same interleaved loop and batch run, reporting
+  tokens/s, the mean acceptance length (tokens emitted per target pass, bonus included) and the
+  mean time per step in each phase (propose, verify, accept).
 
 By default every request decodes exactly ``--max-tokens`` tokens (``--ignore-eos``): Aerie bans EOS
 for all of them (``SamplingParams(min_tokens=max_tokens)``) and transformers gets
@@ -22,7 +26,7 @@ for all of them (``SamplingParams(min_tokens=max_tokens)``) and transformers get
 Prefix caching is off by default (``--prefix-caching`` turns it on) so that Aerie reuses no
 prefill work that transformers has to do, and the batch run does not reuse the batch-1 prompts.
 
-Writes ``engine_ar.json`` (machine, settings, per-prompt figures, summary) and ``engine_ar.png``
+Writes ``engine.json`` (machine, settings, per-prompt figures, summary) and ``engine.png``
 (bar chart) to ``--out-dir`` (default benchmarks/results). Run from the repository root:
 
     .venv/bin/python benchmarks/bench_engine.py                  # the full benchmark
@@ -48,6 +52,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.model_files import resolve_model_path
+from engine.shipped_heads import resolve_draft
+from engine.stats import StepStats
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
@@ -74,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="Aerie's prefix cache (off by default: transformers has none)",
+    )
+    parser.add_argument(
+        "--draft",
+        default="auto",
+        help="EAGLE head for the speculative column ('auto': the shipped head; "
+        "'none': no speculative column)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="device for both (cpu, cuda, cuda:N)")
@@ -139,12 +151,34 @@ def load_hf_model(device: str):
     return model.to(device).eval()
 
 
+class PhaseTimes:
+    """Sums the engine's per-step timings (a stats listener)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.seconds = {"propose": 0.0, "verify": 0.0, "accept": 0.0}
+
+    def __call__(self, stats: StepStats) -> None:
+        self.steps += 1
+        self.seconds["propose"] += stats.propose_time_s
+        self.seconds["verify"] += stats.verify_time_s
+        self.seconds["accept"] += stats.accept_time_s
+
+    def mean_ms(self) -> dict[str, float]:
+        return {k: 1000 * v / max(self.steps, 1) for k, v in self.seconds.items()}
+
+
 def run_aerie(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
-    """Generate all prompts in one call; returns (token id lists, wall seconds)."""
+    """Generate all prompts in one call; returns (outputs, wall seconds)."""
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    return [list(o.outputs[0].token_ids) for o in outputs], seconds
+    return outputs, time.perf_counter() - start
+
+
+def acceptance_length(outputs) -> float:
+    """Tokens emitted per target pass after prefill, the bonus token included."""
+    emitted = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
+    return emitted / max(1, sum(o.metrics.num_decode_steps for o in outputs))
 
 
 def run_hf(model, prompt: list[int], args: argparse.Namespace, eos_id: int) -> tuple[list, float]:
@@ -172,94 +206,147 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def bench_batch1(llm, model, prompts, questions, args, eos_id) -> list[dict]:
-    """Interleaved Aerie / transformers batch-1 runs, one warm-up each first."""
+def bench_batch1(llms: dict[str, LLM], model, prompts, questions, args, eos_id) -> list[dict]:
+    """Interleaved batch-1 runs (each Aerie configuration, then transformers) after warm-ups."""
     params = aerie_params(args)
-    warmup = llm.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}])
-    run_aerie(llm, [warmup], params)
+    warmup = llms["aerie"].apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}])
+    for llm in llms.values():
+        run_aerie(llm, [warmup], params)
     run_hf(model, warmup, args, eos_id)
     rows = []
-    for question, prompt in tqdm(
-        list(zip(questions, prompts)), desc="batch 1 (Aerie, transformers)", unit="prompt"
-    ):
-        (aerie_tokens,), aerie_s = run_aerie(llm, [prompt], params)
+    for question, prompt in tqdm(list(zip(questions, prompts)), desc="batch 1", unit="prompt"):
+        row = {
+            "question_id": question["question_id"],
+            "category": question["category"],
+            "prompt_tokens": len(prompt),
+        }
+        for name, llm in llms.items():
+            (output,), seconds = run_aerie(llm, [prompt], params)
+            tokens = list(output.outputs[0].token_ids)
+            row.update(
+                {
+                    f"{name}_tokens": len(tokens),
+                    f"{name}_seconds": seconds,
+                    f"{name}_tok_s": len(tokens) / seconds,
+                    f"{name}_token_ids": tokens,
+                    f"{name}_acceptance_length": acceptance_length([output]),
+                }
+            )
         hf_tokens, hf_s = run_hf(model, prompt, args, eos_id)
-        mismatch = first_mismatch(aerie_tokens, hf_tokens)
-        rows.append(
+        mismatch = first_mismatch(row["aerie_token_ids"], hf_tokens)
+        row.update(
             {
-                "question_id": question["question_id"],
-                "category": question["category"],
-                "prompt_tokens": len(prompt),
-                "aerie_tokens": len(aerie_tokens),
-                "aerie_seconds": aerie_s,
-                "aerie_tok_s": len(aerie_tokens) / aerie_s,
                 "hf_tokens": len(hf_tokens),
                 "hf_seconds": hf_s,
                 "hf_tok_s": len(hf_tokens) / hf_s,
-                "aerie_over_hf": (len(aerie_tokens) / aerie_s) / (len(hf_tokens) / hf_s),
+                "aerie_over_hf": row["aerie_tok_s"] / (len(hf_tokens) / hf_s),
                 "identical": mismatch is None,
                 "first_mismatch_index": mismatch,
-                "aerie_token_ids": aerie_tokens,
             }
         )
+        if "spec" in llms:
+            row["spec_identical_to_aerie"] = row["spec_token_ids"] == row["aerie_token_ids"]
+        rows.append(row)
     return rows
 
 
-def bench_batch(llm, prompts, args) -> dict:
-    """Aerie with all `prompts` submitted in one generate call: aggregate output tokens/s."""
-    with tqdm(total=1, desc=f"batch {len(prompts)} (Aerie)", unit="run") as bar:
+def bench_batch(llm, prompts, args, name: str) -> dict:
+    """All `prompts` submitted in one generate call: aggregate output tokens/s."""
+    with tqdm(total=1, desc=f"batch {len(prompts)} ({name})", unit="run") as bar:
         outputs, seconds = run_aerie(llm, prompts, aerie_params(args))
         bar.update()
-    total = sum(len(t) for t in outputs)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    total = sum(len(t) for t in tokens)
     return {
         "num_requests": len(prompts),
         "total_tokens": total,
         "seconds": seconds,
         "tok_s": total / seconds,
-        "tokens_per_request": [len(t) for t in outputs],
-        "token_ids": outputs,
+        "acceptance_length": acceptance_length(outputs),
+        "token_ids": tokens,
     }
 
 
-def summarize(rows: list[dict], batch: dict) -> dict:
-    aerie_tok_s = sum(r["aerie_tokens"] for r in rows) / sum(r["aerie_seconds"] for r in rows)
-    hf_tok_s = sum(r["hf_tokens"] for r in rows) / sum(r["hf_seconds"] for r in rows)
-    # Does batching change Aerie's greedy output? (compared where the prompt ran at batch 1 too)
-    solo = [r["aerie_token_ids"] for r in rows]
-    same_in_batch = [a == b for a, b in zip(solo, batch["token_ids"])]
-    return {
-        "hf_batch1_tok_s": hf_tok_s,
-        "aerie_batch1_tok_s": aerie_tok_s,
-        "aerie_over_hf_batch1": aerie_tok_s / hf_tok_s,
+def summarize(rows: list[dict], batches: dict[str, dict], phases: dict[str, PhaseTimes]) -> dict:
+    def tok_s(name: str) -> float:
+        return sum(r[f"{name}_tokens"] for r in rows) / sum(r[f"{name}_seconds"] for r in rows)
+
+    summary = {
+        "hf_batch1_tok_s": tok_s("hf"),
+        "aerie_batch1_tok_s": tok_s("aerie"),
+        "aerie_over_hf_batch1": tok_s("aerie") / tok_s("hf"),
         "identical_outputs": sum(r["identical"] for r in rows),
         "num_prompts": len(rows),
-        "aerie_batch_tok_s": batch["tok_s"],
-        "batch": batch["num_requests"],
-        "aerie_batch_over_batch1": batch["tok_s"] / aerie_tok_s,
-        "batch_outputs_equal_batch1": sum(same_in_batch),
-        "batch_outputs_compared": len(same_in_batch),
+        "batch": batches["aerie"]["num_requests"],
+        "aerie_batch_tok_s": batches["aerie"]["tok_s"],
+        "aerie_batch_over_batch1": batches["aerie"]["tok_s"] / tok_s("aerie"),
+        # does batching change Aerie's greedy output? (prompts that also ran at batch 1)
+        "batch_outputs_equal_batch1": sum(
+            r["aerie_token_ids"] == t for r, t in zip(rows, batches["aerie"]["token_ids"])
+        ),
+        "batch_outputs_compared": min(len(rows), len(batches["aerie"]["token_ids"])),
+        "phase_ms_per_step": {name: p.mean_ms() for name, p in phases.items()},
     }
+    if "spec" in batches:
+        summary.update(
+            {
+                "spec_batch1_tok_s": tok_s("spec"),
+                "spec_over_aerie_batch1": tok_s("spec") / tok_s("aerie"),
+                "spec_over_hf_batch1": tok_s("spec") / tok_s("hf"),
+                "spec_acceptance_length_batch1": sum(r["spec_tokens"] - 1 for r in rows)
+                / sum((r["spec_tokens"] - 1) / r["spec_acceptance_length"] for r in rows),
+                "spec_identical_to_aerie": sum(r["spec_identical_to_aerie"] for r in rows),
+                "spec_batch_tok_s": batches["spec"]["tok_s"],
+                "spec_over_aerie_batch": batches["spec"]["tok_s"] / batches["aerie"]["tok_s"],
+                "spec_acceptance_length_batch": batches["spec"]["acceptance_length"],
+            }
+        )
+    return summary
 
 
 def print_summary(rows: list[dict], summary: dict) -> None:
-    print(f"\n{'qid':>4} {'prompt':>6} {'aerie tok/s':>11} {'hf tok/s':>9} {'ratio':>6}  same")
+    spec = "spec_batch1_tok_s" in summary
+    print(
+        f"\n{'qid':>4} {'prompt':>6} {'aerie tok/s':>11} {'hf tok/s':>9} {'ratio':>6}  same"
+        + ("  spec tok/s  accept" if spec else "")
+    )
     for r in rows:
-        print(
+        line = (
             f"{r['question_id']:>4} {r['prompt_tokens']:>6} {r['aerie_tok_s']:>11.1f} "
-            f"{r['hf_tok_s']:>9.1f} {r['aerie_over_hf']:>6.2f}  {'yes' if r['identical'] else 'no'}"
+            f"{r['hf_tok_s']:>9.1f} {r['aerie_over_hf']:>6.2f}  "
+            f"{'yes' if r['identical'] else 'no ':>4}"
         )
+        if spec:
+            line += f"  {r['spec_tok_s']:>10.1f}  {r['spec_acceptance_length']:>6.2f}"
+        print(line)
     s = summary
     print(
         f"\nbatch 1: Aerie {s['aerie_batch1_tok_s']:.1f} tok/s, transformers "
         f"{s['hf_batch1_tok_s']:.1f} tok/s, Aerie/transformers {s['aerie_over_hf_batch1']:.2f}x"
     )
-    print(f"identical greedy outputs: {s['identical_outputs']}/{s['num_prompts']}")
+    print(
+        f"identical greedy outputs (Aerie vs transformers): "
+        f"{s['identical_outputs']}/{s['num_prompts']}"
+    )
     print(
         f"batch {s['batch']}: Aerie {s['aerie_batch_tok_s']:.1f} tok/s aggregate, "
-        f"{s['aerie_batch_over_batch1']:.2f}x Aerie batch 1 "
-        f"(outputs equal to batch 1: {s['batch_outputs_equal_batch1']}/"
-        f"{s['batch_outputs_compared']})"
+        f"{s['aerie_batch_over_batch1']:.2f}x Aerie batch 1 (outputs equal to batch 1: "
+        f"{s['batch_outputs_equal_batch1']}/{s['batch_outputs_compared']})"
     )
+    if spec:
+        print(
+            f"speculative batch 1: {s['spec_batch1_tok_s']:.1f} tok/s, "
+            f"{s['spec_over_aerie_batch1']:.2f}x AR, {s['spec_over_hf_batch1']:.2f}x "
+            f"transformers, acceptance length {s['spec_acceptance_length_batch1']:.2f}, "
+            f"identical to AR {s['spec_identical_to_aerie']}/{s['num_prompts']}"
+        )
+        print(
+            f"speculative batch {s['batch']}: {s['spec_batch_tok_s']:.1f} tok/s, "
+            f"{s['spec_over_aerie_batch']:.2f}x AR, acceptance length "
+            f"{s['spec_acceptance_length_batch']:.2f}"
+        )
+    for name, phases in s["phase_ms_per_step"].items():
+        print(f"{name} ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
 
 
 def plot(summary: dict, machine: dict, settings: dict, path: Path) -> None:
@@ -269,15 +356,24 @@ def plot(summary: dict, machine: dict, settings: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     s = summary
-    labels = ["transformers\nbatch 1", "Aerie\nbatch 1", f"Aerie\nbatch {s['batch']} (aggregate)"]
+    labels = ["transformers\nbatch 1", "Aerie AR\nbatch 1", f"Aerie AR\nbatch {s['batch']}"]
     values = [s["hf_batch1_tok_s"], s["aerie_batch1_tok_s"], s["aerie_batch_tok_s"]]
     notes = [
         "",
         f"{s['aerie_over_hf_batch1']:.2f}x transformers",
-        f"{s['aerie_batch_over_batch1']:.2f}x Aerie batch 1",
+        f"{s['aerie_batch_over_batch1']:.2f}x AR batch 1",
     ]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    bars = ax.bar(labels, values, color=["#9e9e9e", "#1f77b4", "#ff7f0e"])
+    if "spec_batch1_tok_s" in s:
+        labels += ["Aerie EAGLE\nbatch 1", f"Aerie EAGLE\nbatch {s['batch']}"]
+        values += [s["spec_batch1_tok_s"], s["spec_batch_tok_s"]]
+        notes += [
+            f"{s['spec_over_aerie_batch1']:.2f}x AR\naccept "
+            f"{s['spec_acceptance_length_batch1']:.2f}",
+            f"{s['spec_over_aerie_batch']:.2f}x AR\naccept {s['spec_acceptance_length_batch']:.2f}",
+        ]
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    colors = ["#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+    bars = ax.bar(labels, values, color=colors[: len(values)])
     for bar, value, note in zip(bars, values, notes):
         text = f"{value:.1f} tok/s" + (f"\n{note}" if note else "")
         ax.annotate(
@@ -309,23 +405,33 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     machine = machine_info()
     questions = load_first_turns(max(args.num_prompts, args.batch))
-    llm = LLM(
-        model=MODEL,
-        draft=None,
+    options = dict(
         device=args.device,
         dtype="float32",
         enable_prefix_caching=args.prefix_caching,
         max_num_seqs=max(64, args.batch),
     )
+    llms = {"aerie": LLM(model=MODEL, draft=None, **options)}
+    draft = resolve_draft(MODEL, args.draft)
+    if draft:
+        llms["spec"] = LLM(model=MODEL, draft=draft, **options)
+    phases = {name: PhaseTimes() for name in llms}
     model = load_hf_model(args.device)
-    eos_id = llm.get_tokenizer().eos_token_id
-    prompts = [llm.apply_chat_template([{"role": "user", "content": q["text"]}]) for q in questions]
+    eos_id = llms["aerie"].get_tokenizer().eos_token_id
+    prompts = [
+        llms["aerie"].apply_chat_template([{"role": "user", "content": q["text"]}])
+        for q in questions
+    ]
 
     rows = bench_batch1(
-        llm, model, prompts[: args.num_prompts], questions[: args.num_prompts], args, eos_id
+        llms, model, prompts[: args.num_prompts], questions[: args.num_prompts], args, eos_id
     )
-    batch = bench_batch(llm, prompts[: args.batch], args)
-    summary = summarize(rows, batch)
+    for name, llm in llms.items():  # phase timings of the batched runs
+        llm.engine.stats_listeners.append(phases[name])
+    batches = {
+        name: bench_batch(llm, prompts[: args.batch], args, name) for name, llm in llms.items()
+    }
+    summary = summarize(rows, batches, phases)
 
     machine["load_average_1_5_15_at_end"] = list(os.getloadavg())
     settings = {
@@ -340,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
         "ignore_eos": args.ignore_eos,
         "greedy": True,
         "prefix_caching": args.prefix_caching,
+        "draft": draft,
         "aerie": "LLM(draft=None), SamplingParams(temperature=0, max_tokens=N"
         + (", min_tokens=N)" if args.ignore_eos else ")"),
         "transformers": "model.generate(do_sample=False, max_new_tokens=N"
@@ -347,20 +454,22 @@ def main(argv: list[str] | None = None) -> None:
         "timing": "wall clock per generate call, prefill included; order A, T, A, T, ...",
     }
     for r in rows:
-        del r["aerie_token_ids"]
-    del batch["token_ids"]
+        for name in llms:
+            del r[f"{name}_token_ids"]
+    for batch in batches.values():
+        del batch["token_ids"]
     result = {
         "machine": machine,
         "settings": settings,
         "batch1": rows,
-        "batched": batch,
+        "batched": batches,
         "summary": summary,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "engine_ar.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(summary, machine, settings, args.out_dir / "engine_ar.png")
+    (args.out_dir / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(summary, machine, settings, args.out_dir / "engine.png")
     print_summary(rows, summary)
-    print(f"\nwrote {args.out_dir / 'engine_ar.json'} and {args.out_dir / 'engine_ar.png'}")
+    print(f"\nwrote {args.out_dir / 'engine.json'} and {args.out_dir / 'engine.png'}")
 
 
 if __name__ == "__main__":
