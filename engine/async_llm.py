@@ -109,11 +109,11 @@ class AsyncLLM:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._wakeup.clear()
-            self._handle_inbox()
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait()
-                continue
             try:
+                self._handle_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    continue
                 outputs = self.engine.step()
             except Exception as exc:  # a fault fails the requests in flight, not the engine
                 logger.exception("engine step failed")
@@ -150,7 +150,11 @@ class AsyncLLM:
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # its blocks may leak, but the engine must live on
+                logger.exception("could not abort %s cleanly", request_id)
+                self.engine.requests.pop(request_id, None)
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put(EngineStepError(f"internal engine error: {exc}"))

@@ -144,6 +144,8 @@ class LLMEngine:
         request.metrics.finished_time = time.monotonic()
         for index in range(len(request.sequences), request.params.n):  # choices never forked
             request.sequences.append(self._unforked_abort(request, index))
+        self._finished_stats.append(_finished_stats(request))
+        self._emit_stats(SchedulerOutput(), 0, [], (0.0, 0.0, 0.0))  # gauges move without a step
         return self._delta(request, request.sequences)
 
     def has_unfinished_requests(self) -> bool:
@@ -363,7 +365,8 @@ class LLMEngine:
         """Seeded requests sample from their own stream; choice j of n uses seed + j."""
         if params.seed is None:
             return None
-        return torch.Generator(self.runner.device).manual_seed(params.seed + index)
+        seed = (params.seed + index) % 2**64  # torch takes unsigned 64-bit seeds
+        return torch.Generator(self.runner.device).manual_seed(seed)
 
     def _unforked_abort(self, request: Request, index: int) -> Sequence:
         seq = self._new_sequence(request, index)

@@ -51,6 +51,11 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n must be at least 1", "n")
+        _check(
+            self.seed is None or -(2**63) <= self.seed < 2**63,
+            "seed must be a 64-bit signed integer",
+            "seed",
+        )
         _check(self.temperature >= 0, "temperature must be >= 0", "temperature")
         _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
         _check(0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")

@@ -6,7 +6,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import AerieError, ContextLengthExceededError, InvalidRequestError
@@ -23,6 +23,10 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable_error",
 }
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was complete."""
 
 
 class APIError(Exception):
@@ -80,15 +84,24 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(location) or None
+        # a malformed body's "location" is a character offset, not a parameter
+        param = None if first.get("type") == "json_invalid" else ".".join(location) or None
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", exc))
         return error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "request_too_large" if exc.status_code == 413 else None
         return error_response(
-            APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+            APIError(
+                exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None)
+            )
         )
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request: Request, exc: ClientDisconnected) -> Response:
+        logger.info("client left %s before its response; the request was aborted", request.url.path)
+        return Response(status_code=499)  # nobody reads it: the client is gone
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:

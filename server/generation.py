@@ -16,14 +16,10 @@ from engine.async_llm import AsyncLLM, EngineStepError
 from engine.errors import AerieError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from server.errors import APIError, api_error_from_engine
+from server.errors import APIError, ClientDisconnected, api_error_from_engine
 from server.protocol import Usage
 
 logger = logging.getLogger("aerie.server")
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its response was complete."""
 
 
 def start_requests(

@@ -35,7 +35,7 @@ def completion_logprobs(
         result.tokens.append(text)
         result.token_logprobs.append(entry.logprob)
         result.top_logprobs.append(
-            {_token_text(tokenizer, tid): lp for tid, lp in entry.top_logprobs} or None
+            {_token_text(tokenizer, tid): lp for tid, lp in entry.top_logprobs}
         )
         result.text_offset.append(text_offset)
         text_offset += len(text)

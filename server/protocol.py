@@ -6,7 +6,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+SYSTEM_FINGERPRINT = "fp_aerie"  # OpenAI's schema wants a string here
 
 
 def random_id(prefix: str) -> str:
@@ -24,7 +26,16 @@ class _Request(BaseModel):
 
 
 class SamplingFields(_Request):
-    """Sampling fields shared by chat and text completions (extras go through `extra_body`)."""
+    """Sampling fields shared by chat and text completions (extras go through `extra_body`).
+    An explicit null means "the default", as OpenAI's schema allows."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_is_default(cls, value, info):
+        field = cls.model_fields[info.field_name]
+        if value is None and not field.is_required() and field.default is not None:
+            return field.default
+        return value
 
     model: str | None = None
     n: int = 1
@@ -129,12 +140,18 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ChatDelta(BaseModel):
+    """A streamed message delta: fields not set in this chunk are left out, not null."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
@@ -151,7 +168,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class CompletionLogprobs(BaseModel):
@@ -175,7 +192,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ModelCard(BaseModel):

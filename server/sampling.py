@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -13,6 +13,10 @@ MAX_STOP_SEQUENCES = 4
 def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(
+            400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs"
+        )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     _check_positive(body.max_completion_tokens, "max_completion_tokens")

@@ -36,6 +36,9 @@ class GracefulServer(uvicorn.Server):
                 timer.start()
             logger.info("shutting down: draining requests for up to %.0fs", self.shutdown_timeout)
         super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after shutting down, which would end the process
+        # with the signal's status; a drained shutdown is a clean exit (status 0).
+        self._captured_signals.clear()
 
 
 def _abort_all(state) -> None:

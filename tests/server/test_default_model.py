@@ -1,0 +1,38 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct): `aerie serve` with its default
+flags answers a factual question through the official SDK."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from server.cli import DEFAULT_MODEL
+from tests.server.conftest import LiveServer, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def default_server(server_logs) -> Iterator[LiveServer]:
+    server = start_server(DEFAULT_MODEL, server_logs, api_key=None, served_name=None)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_capital_of_france(default_server) -> None:
+    with default_server.client() as client:
+        response = client.chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=32,
+        )
+        served = [m.id for m in client.models.list().data]
+    (choice,) = response.choices
+    assert "Paris" in choice.message.content, choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert 0 < response.usage.completion_tokens <= 32
+    assert served == [DEFAULT_MODEL]
