@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml | $(PYTHON)
 	touch $@
 
 model: $(STAMP)
-	$(PYTHON) -m engine.model_files $(MODEL)
+	$(VENV)/bin/aerie convert $(MODEL)
 
 setup: model
 

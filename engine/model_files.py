@@ -22,7 +22,6 @@ folder.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -31,7 +30,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -499,36 +497,3 @@ def _read_weight_file(file: Path) -> dict[str, torch.Tensor]:
     ):
         raise ModelLoadError(f"{file} does not hold a flat mapping of names to tensors.")
     return tensors
-
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-
-
-def main() -> None:
-    """Resolve a model (converting it if needed) and print its folder."""
-    parser = argparse.ArgumentParser(
-        prog="python -m engine.model_files",
-        description="Resolve a model (alias, .gguf file or Hugging Face folder), converting GGUF "
-        "checkpoints into the cache on first use, and print the model folder.",
-    )
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=DEFAULT_MODEL,
-        help=f"alias ({', '.join(sorted(ALIASES))}), .gguf path or model folder "
-        f"(default: {DEFAULT_MODEL})",
-    )
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
-        folder = resolve_model_path(args.model)
-    except ModelLoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
-    print(folder)
-
-
-if __name__ == "__main__":
-    main()

@@ -152,8 +152,11 @@ def _train_head(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
+    import logging
+
     from engine.model_files import resolve_model_path
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     print(resolve_model_path(args.model))
 
 

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import model_files
 from engine.errors import ModelLoadError
+from server import cli
 
 ALIAS = "smollm2-135m-instruct"
 
@@ -302,22 +303,17 @@ def test_convert_missing_gguf(tmp_path: Path) -> None:
         model_files.convert_gguf(tmp_path / "absent.gguf", tmp_path / "out")
 
 
-def test_main_prints_folder(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], safetensors_folder: Path
+def test_aerie_convert_prints_folder(
+    capsys: pytest.CaptureFixture[str], safetensors_folder: Path
 ) -> None:
-    monkeypatch.setattr(sys, "argv", ["model_files", str(safetensors_folder)])
-    model_files.main()
+    cli.main(["convert", str(safetensors_folder)])
     assert capsys.readouterr().out.strip() == str(safetensors_folder)
 
 
-def test_main_reports_errors(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    monkeypatch.setattr(sys, "argv", ["model_files", str(tmp_path / "absent")])
+def test_aerie_convert_reports_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as info:
-        model_files.main()
-    assert info.value.code == 1
-    assert "error:" in capsys.readouterr().err
+        cli.main(["convert", str(tmp_path / "absent")])
+    assert "error:" in str(info.value.code)
 
 
 # --------------------------------------------------------------------------------------------
