@@ -67,6 +67,11 @@ class EagleDrafter:
         self.block_size, self.shape = block_size, shape
         self.num_lookahead_tokens = shape.num_scratch
         self.device = target.lm_head.weight.device
+        # A reduced draft vocabulary scores only the target's most frequent tokens: its lm_head
+        # rows are a fraction of the full one, which dominates drafting for small targets.
+        self.draft_vocab = head.draft_vocab  # [V_draft] target token ids, or None
+        weight = target.lm_head.weight  # [vocab, hidden]
+        self.draft_lm_head = weight if self.draft_vocab is None else weight[self.draft_vocab]
 
     # ------------------------------------------------------------------ propose
     @torch.inference_mode()
@@ -108,7 +113,9 @@ class EagleDrafter:
     def _grow(self, items: list[ScheduledSequence], root_features: torch.Tensor):
         """EAGLE-2 expansion and reranking for B sequences at once."""
         k, batch = self.shape.top_k, len(items)
-        candidates = Candidates.first_layer(self._draft_logprobs(root_features), k)
+        candidates = Candidates.first_layer(
+            self._draft_logprobs(root_features), k, self.draft_vocab
+        )
         sources = root_features[:, None, :].expand(-1, k, -1)  # [B, M, hidden] drafting feature
         depths = [self._depth_for(item.num_lookahead) for item in items]
         rows = [_HeadRows() for _ in range(batch)]
@@ -116,9 +123,12 @@ class EagleDrafter:
             active = [b for b in range(batch) if depths[b] > layer]
             chosen = candidates.newest_layer_best(k)  # [B, k] candidate indices
             out = self._expand(items, active, layer, candidates, chosen, sources, rows)
-            logprobs = torch.full((batch, k, self._vocab), -torch.inf, device=self.device)
+            logprobs = torch.full(
+                (batch, k, len(self.draft_lm_head)), -torch.inf, device=self.device
+            )
             logprobs[active] = self._draft_logprobs(out).view(len(active), k, -1)
-            candidates.add_children(chosen, logprobs, k)  # children of inactive rows: -inf
+            # children of inactive rows: -inf
+            candidates.add_children(chosen, logprobs, k, self.draft_vocab)
             children_sources = torch.zeros(batch, k, k, out.shape[-1], device=self.device)
             children_sources[active] = out.view(len(active), k, 1, -1).expand(-1, -1, k, -1)
             sources = torch.cat([sources, children_sources.flatten(1, 2)], dim=1)
@@ -156,13 +166,11 @@ class EagleDrafter:
             self.target.embed_tokens,
         )
 
-    @property
-    def _vocab(self) -> int:
-        return self.target.lm_head.weight.shape[0]
-
     def _draft_logprobs(self, features: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] draft log-probabilities through the target's lm_head."""
-        return torch.log_softmax(self.target.compute_logits(features), dim=-1)
+        """[N, hidden] -> [N, V] draft log-probabilities over the draft vocabulary, through the
+        target's lm_head (its rows for that vocabulary when the head has a reduced one)."""
+        logits = torch.nn.functional.linear(features, self.draft_lm_head).float()
+        return torch.log_softmax(logits, dim=-1)
 
     def _depth_for(self, room: int) -> int:
         """Draft layers that fit in `room` scratch entries (the head's rows and the nodes)."""

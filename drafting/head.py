@@ -27,6 +27,7 @@ from engine.model_files import load_state_dict
 from engine.models.spec import ModelSpec
 
 _LAYER = "layers.0."
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ class EagleHead(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.mlp = GatedMLP(h, spec.intermediate_size)
         self.rotary = rotary
+        # Optional reduced draft vocabulary (target token ids the head may propose), kept in
+        # draft_vocab.json beside the weights so the weights stay in the published format.
+        self.register_buffer("draft_vocab", None, persistent=False)
 
     @property
     def kv_layer_shape(self) -> LayerShape:
@@ -112,7 +116,8 @@ def load_head(
     inv_freq, scaling = rope_inverse_frequencies(LlamaConfig(**_rope_fields(config)), spec.head_dim)
     head = EagleHead(spec, RotaryEmbedding(inv_freq, scaling, max_positions))
     _load_weights(head, weights, folder)
-    return head.to(device=device, dtype=dtype).eval()
+    head.draft_vocab = _read_draft_vocab(folder, target.vocab_size)
+    return head.to(device=device, dtype=dtype).eval()  # float casts leave the ids alone
 
 
 def _read_config(folder: Path) -> dict:
@@ -123,6 +128,28 @@ def _read_config(folder: Path) -> dict:
         return json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"draft head {folder}: unreadable config.json ({exc})") from None
+
+
+def _read_draft_vocab(folder: Path, vocab_size: int) -> torch.Tensor | None:
+    path = folder / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ModelLoadError(
+            f"draft head {folder}: unreadable {DRAFT_VOCAB_FILE} ({exc})"
+        ) from None
+    if (
+        not ids
+        or len(set(ids)) != len(ids)
+        or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids)
+    ):
+        raise ModelLoadError(
+            f"draft head {folder}: {DRAFT_VOCAB_FILE} must list distinct token "
+            f"ids in [0, {vocab_size})"
+        )
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def _refuse_eagle3(config: dict, weights: dict, folder: Path) -> None:
@@ -213,6 +240,9 @@ def save_head(head: EagleHead, folder: str | Path, rope: dict, dtype: torch.dtyp
         else:
             prefix = "" if name.startswith(("fc.", "embed_tokens.")) else _LAYER
             tensors[prefix + name] = tensor
+    if head.draft_vocab is not None:
+        ids = head.draft_vocab.tolist()
+        (folder / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": ids}) + "\n")
     save_file(
         {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()},
         str(folder / "model.safetensors"),

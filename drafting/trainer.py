@@ -50,6 +50,7 @@ class TrainConfig:
     shard_tokens: int = 65536
     eval_conversations: int = 16
     eval_max_tokens: int = 64
+    draft_vocab_size: int = 0  # > 0: the head proposes only the most frequent assistant tokens
     resume: bool = False
     seed: int = 0
 
@@ -140,6 +141,8 @@ class HeadTrainer:
     def train(self, shards: list[Path]) -> Path:
         examples = [e for shard in shards for e in _read_shard(shard)]
         head = self._new_head()
+        if self.config.draft_vocab_size:
+            head.draft_vocab = frequent_tokens(examples, self.config.draft_vocab_size)
         optimizer = torch.optim.AdamW(head.parameters(), lr=self.config.lr, weight_decay=0.0)
         steps_per_epoch = max(
             1, sum(len(e.token_ids) for e in examples) // self.config.batch_tokens
@@ -247,6 +250,13 @@ class HeadTrainer:
     def _log(self, record: dict) -> None:
         with (self.out / "train_log.jsonl").open("a") as log:
             log.write(json.dumps(record) + "\n")
+
+
+def frequent_tokens(examples: list[TrainingExample], count: int) -> torch.Tensor:
+    """The `count` token ids seen most often where the loss applies (what drafts propose)."""
+    tokens = torch.cat([e.token_ids[e.loss_mask] for e in examples])
+    counts = torch.bincount(tokens)
+    return counts.argsort(descending=True, stable=True)[:count].sort().values
 
 
 def _read_shard(path: Path) -> list[TrainingExample]:

@@ -29,9 +29,13 @@ class Candidates:
     depths: torch.Tensor  # [B, M] 1 for layer 1
 
     @classmethod
-    def first_layer(cls, logprobs: torch.Tensor, top_k: int) -> Candidates:
-        """Layer 1 from the root's draft log-probabilities [B, V]."""
+    def first_layer(
+        cls, logprobs: torch.Tensor, top_k: int, vocab: torch.Tensor | None = None
+    ) -> Candidates:
+        """Layer 1 from the root's draft log-probabilities [B, V]. With a reduced draft
+        vocabulary, `vocab` [V] maps draft indices to target token ids."""
         values, tokens = logprobs.topk(top_k, dim=-1)  # [B, k]
+        tokens = tokens if vocab is None else vocab[tokens]
         parents = torch.full_like(tokens, ROOT)
         return cls(tokens, values, parents, torch.ones_like(tokens))
 
@@ -42,11 +46,18 @@ class Candidates:
         masked = torch.where(in_layer, self.values, float("-inf"))
         return masked.topk(top_k, dim=-1).indices.sort(dim=-1).values  # generation order
 
-    def add_children(self, parents: torch.Tensor, logprobs: torch.Tensor, top_k: int) -> None:
+    def add_children(
+        self,
+        parents: torch.Tensor,
+        logprobs: torch.Tensor,
+        top_k: int,
+        vocab: torch.Tensor | None = None,
+    ) -> None:
         """Score the `top_k` children of each expanded node. parents: [B, k] candidate indices;
-        logprobs: [B, k, V], the draft distributions at those nodes."""
+        logprobs: [B, k, V], the draft distributions at those nodes; vocab as in first_layer."""
         batch, width = parents.shape
         child_lp, child_tokens = logprobs.topk(top_k, dim=-1)  # [B, k, top_k]
+        child_tokens = child_tokens if vocab is None else vocab[child_tokens]
         parent_values = self.values.gather(1, parents)  # [B, k]
         values = (parent_values[:, :, None] + child_lp).reshape(batch, width * top_k)
         parent_idx = parents[:, :, None].expand(-1, -1, top_k).reshape(batch, width * top_k)

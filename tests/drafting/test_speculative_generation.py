@@ -163,3 +163,35 @@ def test_blocks_come_back_under_random_load_with_aborts(bigram_target, trained_h
     manager = engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks
     assert all(block.ref_count == 0 for block in manager.blocks)
+
+
+def test_reduced_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(
+    bigram_target, trained_head, tmp_path
+):
+    import json
+    import shutil
+
+    head = shutil.copytree(trained_head, tmp_path / "head")
+    vocab = list(range(3, 256, 2))  # half the vocabulary: the drafts can only use these
+    (head / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
+    prompts = mixed_prompts(6, seed=9)
+    _, plain = generate(bigram_target, None, prompts, num_kv_blocks=1024)
+    llm = LLM(str(bigram_target), draft=str(head), block_size=4, num_kv_blocks=1024)
+    proposed: list[int] = []
+    propose = llm.engine.drafter.propose
+
+    def spy(batch):
+        trees = propose(batch)
+        proposed.extend(t for tree in trees.values() for t in tree.tokens[1:])
+        return trees
+
+    llm.engine.drafter.propose = spy
+    speculative = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, a, b in zip(prompts, plain, speculative):
+        assert_same_or_near_tie(
+            bigram_target, prompt, a.outputs[0].token_ids, b.outputs[0].token_ids
+        )
+    assert proposed and set(proposed) <= set(vocab)
+    (head / "draft_vocab.json").write_text(json.dumps({"token_ids": [5, 5]}))
+    with pytest.raises(ValueError, match="distinct"):
+        LLM(str(bigram_target), draft=str(head))
