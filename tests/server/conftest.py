@@ -24,7 +24,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.conftest import save_tiny_model
+from tests.conftest import save_random_head, save_tiny_model
 
 API_KEY = "sk-aerie-test"
 TINY_NAME = "tiny-llama"
@@ -185,6 +185,12 @@ def start_server(
     return server
 
 
+SPEC_NAME = "tiny-eagle"
+SPEC_DEPTH = 4  # the draft tree of the speculating server: depth, top-k, nodes (root included)
+SPEC_TOP_K = 4
+SPEC_TOTAL_TOKENS = 16
+
+
 def tiny_server_args(*extra: str) -> list[str]:
     """Flags shared by every tiny-model server: CPU, plain decoding, a small KV cache."""
     return [
@@ -331,4 +337,40 @@ def spawn(tiny_model, server_logs) -> Iterator:
 
     yield _spawn
     for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def spec_model(tmp_path_factory) -> tuple[Path, Path]:
+    """A nearly-bigram tiny target and an EAGLE head trained on it for a few seconds (as in
+    tests/drafting), so the speculating server accepts a good share of its drafts."""
+    from tests.drafting.conftest import train_head_quickly
+
+    root = tmp_path_factory.mktemp("spec-model")
+    target = save_tiny_model(
+        root / "llama",
+        "llama",
+        residual_scale=0.1,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    head = train_head_quickly(target, save_random_head(root / "random-head", target), root / "head")
+    return target, head
+
+
+@pytest.fixture(scope="session")
+def spec_server(spec_model, server_logs) -> Iterator[LiveServer]:
+    """A server that speculates with the trained head (no API key: /metrics needs none)."""
+    target, head = spec_model
+    args = [
+        *tiny_server_args("--max-num-seqs", "8", "--max-model-len", "512"),  # later flags win
+        "--draft", str(head),
+        "--draft-depth", str(SPEC_DEPTH),
+        "--draft-top-k", str(SPEC_TOP_K),
+        "--draft-total-tokens", str(SPEC_TOTAL_TOKENS),
+    ]  # fmt: skip
+    server = start_server(target, server_logs, *args, api_key=None, served_name=SPEC_NAME)
+    try:
+        yield server
+    finally:
         server.stop()
