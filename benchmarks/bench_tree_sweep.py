@@ -3,7 +3,7 @@
 For each tree shape, Aerie with the given EAGLE head decodes the first turns of MT-bench questions
 (chat template, greedy, ``--max-tokens`` new tokens, batch 1); plain AR decoding runs on the same
 prompts in the same loop, interleaved, so each shape's speedup is a ratio measured side by side.
-Writes ``tree_sweep.json`` and ``tree_sweep.png`` to ``--out-dir``. Run from the repository root:
+Writes ``tree_sweep[_TAG].json`` and ``.png`` to ``--out-dir``. Run from the repository root:
 
     .venv/bin/python benchmarks/bench_tree_sweep.py --draft drafting/heads/smollm2-135m-instruct
 """
@@ -35,6 +35,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--depth", default="3,5")
     parser.add_argument("--total-tokens", default="4,6,10,16")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--tag", default="", help="suffix of the output files' names")
     return parser.parse_args()
 
 
@@ -107,10 +108,11 @@ def main() -> None:
         "greedy": True,
         "batch": 1,
     }
-    (args.out_dir / "tree_sweep.json").write_text(
+    stem = f"tree_sweep_{args.tag}" if args.tag else "tree_sweep"
+    (args.out_dir / f"{stem}.json").write_text(
         json.dumps({"settings": settings, "results": results}, indent=2) + "\n"
     )
-    plot(results, args.out_dir / "tree_sweep.png")
+    plot(results, args.out_dir / f"{stem}.png")
     for r in results:
         print(
             f"top_k {r['top_k']} depth {r['depth']} total {r['total_tokens']:>2}: acceptance "

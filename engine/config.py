@@ -31,9 +31,12 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "flash"
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
     draft: str | None = None  # EAGLE-1/2 head folder; None: plain autoregressive decoding
-    draft_top_k: int = 4  # children scored per expanded node
-    draft_depth: int = 4  # draft layers (head passes per step)
-    draft_total_tokens: int = 16  # tree nodes verified per sequence, the root included
+    # The tree's defaults were chosen by benchmarks/bench_tree_sweep.py on this project's 2-core CPU
+    # machine (benchmarks/results/tree_sweep*.json): verifying extra tokens and running the head
+    # are dear on a CPU, so small trees win there. GPUs want larger ones (the paper: 10, 6, 60).
+    draft_top_k: int = 2  # children scored per expanded node
+    draft_depth: int = 3  # draft layers (head passes per step)
+    draft_total_tokens: int = 4  # tree nodes verified per sequence, the root included
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size must be >= 1")
