@@ -28,7 +28,6 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"  # "auto" | "torch" | "flash"
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
     draft: str | None = None  # EAGLE-1/2 head folder; None: plain autoregressive decoding
     # The tree's defaults were chosen by benchmarks/bench_tree_sweep.py on this project's 2-core CPU
@@ -52,10 +51,6 @@ class EngineConfig:
         _require(
             self.dtype == "auto" or self.dtype in _DTYPES,
             f"dtype must be 'auto' or one of {sorted(_DTYPES)}",
-        )
-        _require(
-            self.attention_backend in ("auto", "torch", "flash"),
-            "attention_backend must be 'auto', 'torch' or 'flash'",
         )
         _require(self.draft_top_k >= 1, "draft_top_k must be >= 1")
         _require(self.draft_depth >= 1, "draft_depth must be >= 1")
