@@ -58,10 +58,6 @@ class AsyncLLM:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.engine.requests)
-
-    @property
     def num_waiting_requests(self) -> int:
         """Requests not yet running: queued in the engine or still in the inbox (approximate)."""
         return len(self.engine.scheduler.waiting) + self._inbox.qsize()

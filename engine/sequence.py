@@ -103,11 +103,6 @@ class Sequence:
             self.num_head_computed_tokens = num_cached
         self.pending_features = None
 
-    @property
-    def is_prefilling(self) -> bool:
-        """True while tokens other than the last sampled one still lack K/V."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
     def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
         """A sibling sharing this sequence's tokens and blocks (the caller adjusts ref counts)."""
         return Sequence(

@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -114,10 +114,27 @@ async def _wait_for_disconnect(http_request: Request) -> None:
 
 def usage_of(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return token_usage(prompt, sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+def token_usage(num_prompt: int, num_completion: int) -> Usage:
     return Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion,
+        total_tokens=num_prompt + num_completion,
     )
+
+
+def stream_end(
+    request_id: str,
+    usage: Usage,
+    started: float,
+    finish_reasons: list,
+    usage_chunk: Callable[[Usage], str] | None,
+) -> list[str]:
+    """The last SSE events of a stream (the usage chunk when asked, then [DONE]); logs it."""
+    log_request(request_id, usage, started, finish_reasons)
+    return ([usage_chunk(usage)] if usage_chunk else []) + [SSE_DONE]
 
 
 def sse(payload: BaseModel) -> str:

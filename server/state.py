@@ -52,13 +52,6 @@ class ServerState:
             logger.exception("engine failed to load")
             self.load_error = exc
 
-    def wait_until_loaded(self, timeout: float | None = None) -> None:
-        self._loader.join(timeout)
-
-    @property
-    def is_ready(self) -> bool:
-        return self.engine is not None and self.engine.is_running and not self.draining
-
     def ready_engine(self) -> AsyncLLM:
         """The engine, or a 503 that says why it cannot take requests now."""
         if self.draining:

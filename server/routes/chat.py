@@ -13,13 +13,14 @@ from engine.outputs import RequestOutput
 from server.auth import require_api_key
 from server.errors import APIError
 from server.generation import (
-    SSE_DONE,
     collect,
     log_request,
     merged,
     sse,
     sse_error,
     start_requests,
+    stream_end,
+    token_usage,
     usage_of,
 )
 from server.logprobs import chat_logprobs
@@ -32,7 +33,6 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    Usage,
     random_id,
     unix_time,
 )
@@ -136,12 +136,7 @@ async def _stream_chunks(
     except EngineStepError as exc:
         yield sse_error(APIError(500, str(exc), code="internal_error"))
         return
-    usage = Usage(
-        prompt_tokens=num_prompt,
-        completion_tokens=num_completion,
-        total_tokens=num_prompt + num_completion,
-    )
-    if include_usage:
-        yield chunk([], usage=usage)
-    log_request(request_id, usage, started, list(finish_reasons.values()))
-    yield SSE_DONE
+    usage_chunk = (lambda usage: chunk([], usage=usage)) if include_usage else None
+    usage = token_usage(num_prompt, num_completion)
+    for event in stream_end(request_id, usage, started, list(finish_reasons.values()), usage_chunk):
+        yield event

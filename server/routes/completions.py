@@ -13,13 +13,14 @@ from engine.outputs import RequestOutput
 from server.auth import require_api_key
 from server.errors import APIError
 from server.generation import (
-    SSE_DONE,
     collect,
     log_request,
     merged,
     sse,
     sse_error,
     start_requests,
+    stream_end,
+    token_usage,
     usage_of,
 )
 from server.logprobs import completion_logprobs
@@ -28,7 +29,6 @@ from server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    Usage,
     random_id,
     unix_time,
 )
@@ -127,13 +127,7 @@ async def _stream_chunks(
     except EngineStepError as exc:
         yield sse_error(APIError(500, str(exc), code="internal_error"))
         return
-    total_prompt = sum(num_prompt.values())
-    usage = Usage(
-        prompt_tokens=total_prompt,
-        completion_tokens=num_completion,
-        total_tokens=total_prompt + num_completion,
-    )
-    if include_usage:
-        yield chunk([], usage=usage)
-    log_request(request_id, usage, started, finish_reasons)
-    yield SSE_DONE
+    usage_chunk = (lambda usage: chunk([], usage=usage)) if include_usage else None
+    usage = token_usage(sum(num_prompt.values()), num_completion)
+    for event in stream_end(request_id, usage, started, finish_reasons, usage_chunk):
+        yield event
