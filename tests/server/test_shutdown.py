@@ -38,13 +38,15 @@ def body(max_tokens: int, stream: bool) -> dict:
 
 def probe_new_requests(server: LiveServer, attempts: int = 10) -> list[str]:
     """Send new requests right after SIGTERM: each must get 503 (code shutting_down) until the
-    listener closes, then connection refused. Returns what each attempt got."""
+    listener closes, then connection refused. A connection that races the listener's close is
+    dropped unanswered (disconnected or reset), which a client sees as refused too: the request
+    never reached the engine. Returns what each attempt got."""
     outcomes = []
     for _ in range(attempts):
         try:
             with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=10) as h:
                 response = h.post("/v1/chat/completions", json=body(2, stream=False))
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
             outcomes.append("refused")
             break
         assert_openai_error(response, 503, type_="service_unavailable_error", code="shutting_down")
