@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine.errors import AerieError
 
+HOLDOUT_EVERY = 50  # every 50th conversation is held out from training, for evaluation
 _SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 _SHAREGPT_ROLES = {
     "human": "user",

