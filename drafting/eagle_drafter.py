@@ -13,6 +13,7 @@ sit at root + (d - 1) * k + r. It is draft-only: the next catch-up overwrites it
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from drafting.acceptance import accept_greedy, accept_tree
 from drafting.head import EagleHead
 from drafting.tree import ROOT, Candidates, rerank
+from engine.draft_budget import DraftBudget
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, logits_context, sample_one_each
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
@@ -62,9 +64,11 @@ class EagleDrafter:
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         block_size: int,
         shape: TreeShape,
+        budget: DraftBudget | None = None,
     ) -> None:
         self.head, self.target, self.kv_cache = head, target, kv_cache
         self.block_size, self.shape = block_size, shape
+        self.budget = budget  # None: verify every tree at shape.total_tokens
         self.num_lookahead_tokens = shape.num_scratch
         self.device = target.lm_head.weight.device
         # A reduced draft vocabulary scores only the target's most frequent tokens: its lm_head
@@ -82,8 +86,15 @@ class EagleDrafter:
         ]
         if not drafting:
             return {}
+        if self.budget is not None and not self.budget.should_draft(
+            len(drafting), batch.num_new_tokens
+        ):
+            return {}  # plain decoding is faster this step; the head has still caught up
         root_features = torch.stack([roots[item.seq.seq_id] for item in drafting])  # [B, hidden]
-        trees = self._grow(drafting, root_features)
+        started = time.perf_counter()
+        trees = self._grow(drafting, root_features, batch.num_new_tokens)
+        if self.budget is not None:
+            self.budget.observe_draft(len(drafting), time.perf_counter() - started)
         return {item.seq.seq_id: tree for item, tree in zip(drafting, trees) if tree is not None}
 
     def _catch_up(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
@@ -110,7 +121,9 @@ class EagleDrafter:
         hidden = self._run_head(ids, torch.cat(features), positions, attention)  # [T, hidden]
         return {seq_id: hidden[row] for seq_id, row in last_rows.items()}
 
-    def _grow(self, items: list[ScheduledSequence], root_features: torch.Tensor):
+    def _grow(
+        self, items: list[ScheduledSequence], root_features: torch.Tensor, num_pass_tokens: int
+    ):
         """EAGLE-2 expansion and reranking for B sequences at once."""
         k, batch = self.shape.top_k, len(items)
         candidates = Candidates.first_layer(
@@ -133,6 +146,8 @@ class EagleDrafter:
             children_sources[active] = out.view(len(active), k, 1, -1).expand(-1, -1, k, -1)
             sources = torch.cat([sources, children_sources.flatten(1, 2)], dim=1)
         num_keep = [self._num_keep(item.num_lookahead, d) for item, d in zip(items, depths)]
+        if self.budget is not None:
+            num_keep = self.budget.allocate(_best_values(candidates, num_keep), num_pass_tokens)
         roots = [item.seq.token_ids[-1] for item in items]
         trees = rerank(candidates, roots, num_keep)
         return [tree if tree.num_draft_tokens else None for tree in trees]
@@ -211,6 +226,14 @@ class EagleDrafter:
             seq.pending_features = features.clone()
         else:
             seq.pending_features = torch.cat([seq.pending_features, features])
+
+
+def _best_values(candidates: Candidates, num_keep: list[int]) -> torch.Tensor:
+    """[B, M] each sequence's candidate values, best first, -inf past what it may keep."""
+    ranked = candidates.values.sort(dim=-1, descending=True).values  # [B, M]
+    ranks = torch.arange(ranked.shape[1], device=ranked.device)[None, :]  # [1, M]
+    limit = torch.tensor(num_keep, device=ranked.device)[:, None]  # [B, 1]
+    return ranked.masked_fill(ranks >= limit, float("-inf")).cpu()
 
 
 def _accept_trees(

@@ -4,6 +4,10 @@ For each position i the head reads token i + 1 and the target's feature at i (pl
 noise) and predicts the feature at i + 1. Loss: smooth-L1 to that feature (weight 1.0) plus the
 cross-entropy between the target's next-token distribution and the head's, both through the frozen
 lm_head (weight 0.1), on the positions the loss mask keeps (assistant tokens).
+
+A head with a reduced draft vocabulary only ever scores those tokens, so its cross-entropy uses
+only their lm_head rows (both distributions renormalised over them). For a small target this is
+most of the training cost saved: the full lm_head is several times the head itself.
 """
 
 from __future__ import annotations
@@ -53,9 +57,12 @@ def head_losses(
     )  # [N, hidden]
     predicted, targets = predicted[mask], targets[mask]
     feature_loss = F.smooth_l1_loss(predicted, targets)
+    weight = target.lm_head.weight  # [vocab, hidden]
+    if head.draft_vocab is not None:
+        weight = weight[head.draft_vocab]  # [V_draft, hidden]
     with torch.no_grad():
-        target_probs = torch.softmax(target.compute_logits(targets), dim=-1)  # [M, vocab]
-    head_logprobs = torch.log_softmax(target.lm_head(predicted).float(), dim=-1)
+        target_probs = torch.softmax(F.linear(targets, weight).float(), dim=-1)  # [M, V]
+    head_logprobs = torch.log_softmax(F.linear(predicted, weight).float(), dim=-1)  # [M, V]
     token_loss = -(target_probs * head_logprobs).sum(-1).mean()
     with torch.no_grad():
         accuracy = (head_logprobs.argmax(-1) == target_probs.argmax(-1)).float().mean()

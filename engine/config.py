@@ -35,7 +35,11 @@ class EngineConfig:
     # are dear on a CPU, so small trees win there. GPUs want larger ones (the paper: 10, 6, 60).
     draft_top_k: int = 2  # children scored per expanded node
     draft_depth: int = 3  # draft layers (head passes per step)
-    draft_total_tokens: int = 4  # tree nodes verified per sequence, the root included
+    draft_total_tokens: int = 4  # tree nodes verified per sequence at most, the root included
+    # Each step verifies only the draft nodes worth their verify cost, across the batch, and
+    # skips drafting when plain decoding is faster (engine/draft_budget.py). False: every tree is
+    # verified at draft_total_tokens.
+    adaptive_draft_budget: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size must be >= 1")

@@ -18,6 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.draft_budget import DraftBudget, expected_tokens
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, AutoregressiveDrafter, Drafter
 from engine.errors import InvalidRequestError
@@ -32,6 +33,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import FinishedRequestStats, StepStats
 from engine.stop_checker import append_token, held_back_length
+from engine.verify_cost import measure_verify_cost
 
 
 @dataclass
@@ -66,6 +68,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.budget = self._measure_budget() if head and config.adaptive_draft_budget else None
         self.drafter: Drafter = self._make_drafter(head) if head else AutoregressiveDrafter()
         self.scheduler = Scheduler(config, self.block_manager, self.drafter.num_lookahead_tokens)
         self.requests: dict[str, Request] = {}
@@ -89,8 +92,22 @@ class LLMEngine:
             self.config.draft_top_k, self.config.draft_depth, self.config.draft_total_tokens
         )
         return EagleDrafter(
-            head, self.runner.model, self.runner.kv_cache.layers[-1], self.config.block_size, shape
+            head,
+            self.runner.model,
+            self.runner.kv_cache.layers[-1],
+            self.config.block_size,
+            shape,
+            self.budget,
         )
+
+    def _measure_budget(self) -> DraftBudget:
+        """Time verify passes up to the largest a decode step builds (at most 256 tokens; the
+        cost model extends its last slope beyond)."""
+        config = self.config
+        largest = min(
+            config.max_num_batched_tokens, config.max_num_seqs * config.draft_total_tokens, 256
+        )
+        return DraftBudget(measure_verify_cost(self.runner, largest, config.draft_total_tokens))
 
     # ----------------------------------------------------------------- requests in
     def make_request(
@@ -164,14 +181,36 @@ class LLMEngine:
         trees = self.drafter.propose(batch)  # propose
         proposed = time.perf_counter()
         verified = self.runner.execute(batch, trees)  # verify
+        executed = time.perf_counter()
         num_prompt_tokens = self._record_verified(batch, trees, verified)
         checked = time.perf_counter()
         accepted = self._accept(batch, trees, verified)  # accept
         decided = time.perf_counter()
         outputs = self._commit(batch, accepted, verified)  # commit
+        if self.budget is not None:
+            self._inform_budget(batch, trees, accepted, executed - proposed)
         timings = (proposed - start, checked - proposed, decided - checked)
-        self._emit_stats(batch, num_prompt_tokens, accepted, timings)
+        budget = None
+        if self.budget is not None and any(item.num_lookahead for item in batch.scheduled):
+            budget = sum(tree.num_draft_tokens for tree in trees.values())
+        self._emit_stats(batch, num_prompt_tokens, accepted, timings, budget)
         return outputs
+
+    def _inform_budget(
+        self,
+        batch: SchedulerOutput,
+        trees: dict[int, DraftTree],
+        verdicts: list[_Verdict],
+        verify_seconds: float,
+    ) -> None:
+        num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
+        self.budget.observe_verify(batch.num_new_tokens + num_draft_tokens, verify_seconds)
+        drafted = [v for v in verdicts if v.tree is not None]
+        if drafted:
+            self.budget.observe_acceptance(
+                sum(expected_tokens(v.tree.values[1:]) for v in drafted),
+                sum(len(v.accepted.accepted_nodes) for v in drafted),
+            )
 
     def _record_verified(
         self, batch: SchedulerOutput, trees: dict[int, DraftTree], verified: ForwardOutput
@@ -329,6 +368,7 @@ class LLMEngine:
         num_prompt_tokens: int,
         verdicts: list[_Verdict],
         timings: tuple[float, float, float],
+        draft_budget: int | None = None,
     ) -> None:
         finished, self._finished_stats = tuple(self._finished_stats), []
         ttfts, itls, self._ttfts, self._itls = tuple(self._ttfts), tuple(self._itls), [], []
@@ -356,6 +396,7 @@ class LLMEngine:
             num_accepted_tokens=sum(accepted_per_position),
             accepted_per_position=tuple(accepted_per_position),
             tokens_per_pass=tuple(v.num_emitted for v in drafted),
+            draft_budget=draft_budget,
             propose_time_s=timings[0],
             verify_time_s=timings[1],
             accept_time_s=timings[2],

@@ -16,6 +16,7 @@ from engine.models.spec import ModelSpec
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 
 _BYTES_PER_GIB = 1 << 30
+SYNTHETIC_CONTEXT = 64  # cached entries before the new tokens of a synthetic pass
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,29 @@ class ModelRunner:
         )  # [T, hidden]
         picked = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         return ForwardOutput(self.model.compute_logits(picked), hidden, token_rows, logits_rows)
+
+    @torch.inference_mode()
+    def synthetic_pass(self, num_tokens: int, tokens_per_sequence: int) -> None:
+        """A verify-shaped pass over junk tokens, to measure its cost: sequences of
+        `tokens_per_sequence` new tokens after a short context, logits on every row. Every
+        sequence reads and writes the same scratch blocks, so only use it while nothing runs."""
+        block_size = self.config.block_size
+        context = max(0, min(SYNTHETIC_CONTEXT, self.num_blocks * block_size - tokens_per_sequence))
+        blocks = list(
+            range(min(self.num_blocks, -(-(context + tokens_per_sequence) // block_size)))
+        )
+        full, rest = divmod(num_tokens, tokens_per_sequence)
+        sizes = [tokens_per_sequence] * full + ([rest] if rest else [])
+        sequences = [SequenceAttention(blocks, context, n) for n in sizes]
+        meta = build_attention_metadata(
+            sequences, block_size, self.device, self.spec.sliding_window
+        )
+        positions = torch.cat([torch.arange(context, context + n) for n in sizes])  # [T]
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # [T]
+        hidden = self.model(ids, positions.to(self.device), self.kv_cache.layers, meta)
+        self.model.compute_logits(hidden)  # [T, vocab]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def _inputs(item: ScheduledSequence, tree: DraftTree | None):

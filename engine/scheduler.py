@@ -40,6 +40,11 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens + s.num_lookahead for s in self.scheduled)
 
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the pass computes before any draft tree is added."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
 
 class Scheduler:
     def __init__(

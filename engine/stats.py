@@ -38,6 +38,9 @@ class StepStats:
     # Tokens each drafted sequence emitted from this step's target pass (accepted + bonus, cut
     # at a stop): one entry per entry of `num_drafts`.
     tokens_per_pass: tuple[int, ...] = ()
+    # Draft tokens the adaptive budget chose to verify across the batch (0: the step decoded
+    # plainly); None when no budget runs or no sequence could draft.
+    draft_budget: int | None = None
     propose_time_s: float = 0.0
     verify_time_s: float = 0.0
     accept_time_s: float = 0.0

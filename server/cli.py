@@ -1,5 +1,6 @@
 """The `aerie` command: `serve` (the OpenAI-compatible server), `generate` (a smoke check),
-`train-head` and `distill-data` (draft heads) and `convert` (model setup)."""
+`train-head` and `distill-data` (draft heads), `bench serve` (a load generator) and `convert`
+(model setup)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     _add_generate(commands)
     _add_train_head(commands)
     _add_distill_data(commands)
+    _add_bench(commands)
     _add_convert(commands)
     args = parser.parse_args(argv)
     try:
@@ -114,6 +116,30 @@ def _add_dataclass_flags(cmd, config_class, skip: tuple[str, ...]) -> None:
         cmd.add_argument(flag, type=kind, default=field.default, help=f"default: {field.default}")
 
 
+def _add_bench(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench", required=True
+    )
+    cmd = bench.add_parser(
+        "serve", help="load-test an OpenAI-compatible server over a concurrency sweep"
+    )
+    cmd.add_argument("--base-url", default="http://127.0.0.1:8000")
+    cmd.add_argument("--prompts", required=True, help="JSONL: messages, prompt or MT-bench turns")
+    cmd.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated levels")
+    cmd.add_argument("--max-tokens", type=int, default=128)
+    cmd.add_argument(
+        "--num-prompts", type=int, default=0, help="requests per level (0: max(8, 4 x level))"
+    )
+    cmd.add_argument("--max-duration", type=float, default=120.0, help="seconds per level")
+    cmd.add_argument("--temperature", type=float, default=0.0)
+    cmd.add_argument("--ignore-eos", action="store_true")
+    cmd.add_argument("--model", default=None, help="default: the first the server lists")
+    cmd.add_argument("--api-key", default=None)
+    cmd.add_argument("--label", default="server", help="this configuration's name in the results")
+    cmd.add_argument("--out", default=None, help="JSON to merge results into (PNG beside it)")
+    cmd.set_defaults(run=_bench_serve)
+
+
 def _add_convert(commands) -> None:
     cmd = commands.add_parser("convert", help="convert a model (alias or .gguf) into the cache")
     cmd.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -175,6 +201,33 @@ def _distill_data(args: argparse.Namespace) -> None:
     names = {f.name for f in dataclasses.fields(DistillConfig)}
     config = DistillConfig(**{k: v for k, v in vars(args).items() if k in names})
     print(f"answers written to {distill(config)}")
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from server.serving_benchmark import BenchConfig, run_benchmark
+
+    try:
+        levels = tuple(int(c) for c in args.concurrency.split(","))
+    except ValueError:
+        raise AerieError(f"--concurrency {args.concurrency!r}: expected e.g. 1,2,4") from None
+    config = BenchConfig(
+        base_url=args.base_url,
+        prompts=Path(args.prompts),
+        concurrency=levels,
+        max_tokens=args.max_tokens,
+        num_prompts=args.num_prompts,
+        max_duration=args.max_duration,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        model=args.model,
+        api_key=args.api_key,
+        label=args.label,
+        out=Path(args.out) if args.out else None,
+    )
+    print(json.dumps(run_benchmark(config)["levels"], indent=2))
 
 
 def _convert(args: argparse.Namespace) -> None:

@@ -269,7 +269,28 @@ class _SpecDecodeMetrics:
             buckets=tuple(float(k) for k in range(1, depth + 2)),
             registry=r,
         )
-        for metric in (self.drafts, self.draft_tokens, self.accepted_tokens, self.tokens_per_pass):
+        self.draft_budget = Histogram(
+            "aerie_spec_decode_draft_budget_tokens",
+            "Draft tokens the adaptive budget chose to verify in a step, across the batch "
+            "(0: the step decoded plainly because speculation would not pay)",
+            labels,
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.plain_steps = Counter(
+            "aerie_spec_decode_plain_steps",
+            "Decode steps the adaptive budget ran without drafts (speculation would not pay)",
+            labels,
+            registry=r,
+        )
+        for metric in (
+            self.drafts,
+            self.draft_tokens,
+            self.accepted_tokens,
+            self.tokens_per_pass,
+            self.draft_budget,
+            self.plain_steps,
+        ):
             metric.labels(model_name)
         for position in range(1, depth + 1):
             self.accepted_per_pos.labels(model_name, str(position))
@@ -284,3 +305,6 @@ class _SpecDecodeMetrics:
         per_pass = self.tokens_per_pass.labels(name)
         for tokens in stats.tokens_per_pass:
             per_pass.observe(tokens)
+        if stats.draft_budget is not None:
+            self.draft_budget.labels(name).observe(stats.draft_budget)
+            self.plain_steps.labels(name).inc(stats.draft_budget == 0)

@@ -95,7 +95,13 @@ def test_missing_or_broken_heads_are_clear_errors(bigram_target, random_head, tm
 
 
 def test_step_statistics_report_speculation(bigram_target, trained_head):
-    llm = LLM(str(bigram_target), draft=str(trained_head), num_kv_blocks=256, block_size=4)
+    llm = LLM(
+        str(bigram_target),
+        draft=str(trained_head),
+        num_kv_blocks=256,
+        block_size=4,
+        adaptive_draft_budget=False,
+    )
     records = []
     llm.engine.stats_listeners.append(records.append)
     (output,) = llm.generate(

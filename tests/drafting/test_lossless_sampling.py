@@ -19,6 +19,7 @@ import drafting.eagle_drafter
 from drafting.acceptance import Acceptance
 from engine import LLM, SamplingParams
 from engine.logits_processing import target_probabilities
+from engine.verify_cost import VerifyCost
 from tests.conftest import save_random_head, save_tiny_model
 from tests.drafting.conftest import train_head_quickly
 
@@ -31,7 +32,7 @@ SETTINGS = {
     "temperature 0.7, top_p 0.8": dict(temperature=0.7, top_p=0.8),
     "top_k 3": dict(temperature=1.0, top_k=3),
 }
-TREE = dict(draft_top_k=2, draft_depth=3, draft_total_tokens=8)
+TREE = dict(draft_top_k=2, draft_depth=3, draft_total_tokens=8, adaptive_draft_budget=False)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,9 @@ def exact_distribution(target, settings: dict) -> dict[tuple[int, ...], float]:
     return probs
 
 
-def sampled_counts(target, head, settings: dict) -> dict[tuple[int, ...], int]:
+def sampled_counts(
+    target, head, settings: dict, configure=None, min_accepted=NUM_SAMPLES, **options
+) -> dict[tuple[int, ...], int]:
     llm = LLM(
         str(target),
         draft=str(head),
@@ -78,15 +81,17 @@ def sampled_counts(target, head, settings: dict) -> dict[tuple[int, ...], int]:
         max_num_batched_tokens=8192,
         num_kv_blocks=8192,
         block_size=8,
-        **TREE,
+        **{**TREE, **options},
     )
+    if configure is not None:
+        configure(llm.engine)
     params = [
         SamplingParams(max_tokens=NUM_TOKENS + 3, ignore_eos=True, seed=seed, **settings)
         for seed in range(NUM_SAMPLES)
     ]
     outputs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
     accepted = sum(o.metrics.num_accepted_tokens for o in outputs)
-    assert accepted > NUM_SAMPLES, "the head should get drafts accepted, or nothing is tested"
+    assert accepted > min_accepted, "the head should get drafts accepted, or nothing is tested"
     counts: dict[tuple[int, ...], int] = {}
     for output in outputs:
         key = tuple(output.outputs[0].token_ids[:NUM_TOKENS])
@@ -117,6 +122,34 @@ def test_speculative_sampling_matches_the_target_distribution(small_vocab, head,
     expected = exact_distribution(small_vocab["target"], SETTINGS[setting])
     counts = sampled_counts(small_vocab["target"], small_vocab[head], SETTINGS[setting])
     assert chi_square_p_value(counts, expected) > 0.001
+
+
+def test_trees_cut_by_the_adaptive_budget_stay_lossless(small_vocab):
+    """A verify cost under which only likely nodes pay, and a probe every other step: trees of
+    every size from empty to whole, and plain steps between drafted ones."""
+    steps = []
+
+    def partial_budget(engine):
+        # 512 roots take 1 s; a node pays when its acceptance chance is above about 0.5
+        engine.budget.verify_cost = VerifyCost((1, 8192), (0.5, 0.5 + 8191 / 1024))
+        engine.budget.probe_interval = 1
+        engine.stats_listeners.append(steps.append)
+
+    setting = SETTINGS["temperature 1"]
+    expected = exact_distribution(small_vocab["target"], setting)
+    counts = sampled_counts(
+        small_vocab["target"],
+        small_vocab["trained"],
+        setting,
+        configure=partial_budget,
+        min_accepted=NUM_SAMPLES // 4,  # half the steps are plain, and trees are cut
+        adaptive_draft_budget=True,
+    )
+    assert chi_square_p_value(counts, expected) > 0.001
+    full_trees = TREE["draft_total_tokens"] - 1
+    budgets = [s.draft_budget for s in steps if s.draft_budget is not None]
+    assert any(0 < s.num_draft_tokens < s.num_drafts * full_trees for s in steps)
+    assert 0 in budgets, "some steps should decode plainly"
 
 
 def accept_with_draft_probability(tree, probs, generator):

@@ -21,7 +21,13 @@ def mixed_prompts(count: int, seed: int = 0, vocab: int = 256) -> list[list[int]
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(2, 45))] for _ in range(count)]
 
 
+# The adaptive draft budget may verify less than the whole tree, or nothing; these tests verify
+# every tree at full size so that the verification machinery is exercised on every step.
+FULL_TREES = dict(adaptive_draft_budget=False)
+
+
 def generate(target, draft, prompts, params=GREEDY, **options):
+    options = {**FULL_TREES, **options} if draft is not None else options
     llm = LLM(str(target), draft=None if draft is None else str(draft), block_size=4, **options)
     return llm, llm.generate(prompts, params, use_tqdm=False)
 
@@ -81,7 +87,13 @@ def test_prefix_caching_with_speculation(bigram_target, trained_head):
     shared = mixed_prompts(1, seed=5)[0] * 2  # a long common prefix
     prompts = [shared + tail for tail in mixed_prompts(6, seed=6)]
     _, plain = generate(bigram_target, None, prompts, num_kv_blocks=1024)
-    llm = LLM(str(bigram_target), draft=str(trained_head), block_size=4, num_kv_blocks=1024)
+    llm = LLM(
+        str(bigram_target),
+        draft=str(trained_head),
+        block_size=4,
+        num_kv_blocks=1024,
+        **FULL_TREES,
+    )
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     again = llm.generate(prompts, GREEDY, use_tqdm=False)  # now served from the prefix cache
     assert sum(o.metrics.num_cached_tokens for o in again) > 0
@@ -132,6 +144,7 @@ def test_blocks_come_back_under_random_load_with_aborts(bigram_target, trained_h
         draft=str(trained_head),
         block_size=4,
         num_kv_blocks=96,
+        **FULL_TREES,
         max_num_seqs=12,
         max_num_batched_tokens=64,
     )
@@ -176,7 +189,7 @@ def test_reduced_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(
     (head / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
     prompts = mixed_prompts(6, seed=9)
     _, plain = generate(bigram_target, None, prompts, num_kv_blocks=1024)
-    llm = LLM(str(bigram_target), draft=str(head), block_size=4, num_kv_blocks=1024)
+    llm = LLM(str(bigram_target), draft=str(head), block_size=4, num_kv_blocks=1024, **FULL_TREES)
     proposed: list[int] = []
     propose = llm.engine.drafter.propose
 

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from drafting.data import load_conversations, tokenize_conversation
+from drafting.features import target_features
+from drafting.head import load_head
+from drafting.train import TrainingExample, head_losses
 from drafting.trainer import TrainConfig, train_head
 from engine import LLM, SamplingParams
 from engine.errors import AerieError
@@ -73,20 +76,27 @@ def test_bad_data_source_is_a_clear_error(tmp_path):
         list(load_conversations(str(broken)))
 
 
-def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
-    data = write_jsonl(tmp_path / "data.jsonl", 60)
-    config = TrainConfig(
-        target=str(bigram_target),
-        data=str(data),
-        out=tmp_path / "run",
-        epochs=1,
-        batch_tokens=512,
-        shard_tokens=1500,
-        checkpoint_every=3,
-        warmup_steps=2,
-        eval_conversations=2,
-        eval_max_tokens=8,
+def quick_config(target, tmp_path, num_conversations: int, **overrides) -> TrainConfig:
+    """A few seconds of training on `num_conversations` made-up conversations."""
+    data = write_jsonl(tmp_path / "data.jsonl", num_conversations)
+    settings = dict(
+        epochs=1, batch_tokens=512, warmup_steps=2, eval_conversations=2, eval_max_tokens=8
     )
+    return TrainConfig(str(target), str(data), tmp_path / "run", **{**settings, **overrides})
+
+
+def assert_decodes_as_plain(target, head) -> None:
+    """Greedy decoding with the head (whole trees every step) equals decoding without it."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(target), draft=None).generate([[5, 6, 7]], params, use_tqdm=False)
+    drafted = LLM(str(target), draft=str(head), adaptive_draft_budget=False).generate(
+        [[5, 6, 7]], params, use_tqdm=False
+    )
+    assert plain[0].outputs[0].token_ids == drafted[0].outputs[0].token_ids
+
+
+def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
+    config = quick_config(bigram_target, tmp_path, 60, shard_tokens=1500, checkpoint_every=3)
     head = train_head(config)
     assert (head / "config.json").is_file() and (head / "model.safetensors").is_file()
     shards = sorted((tmp_path / "run" / "features").glob("shard-*.safetensors"))
@@ -94,11 +104,7 @@ def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").open()]
     steps = [r["step"] for r in log if "step" in r]
     assert [r["epoch"] for r in log if "acceptance_length" in r] == [1]
-    # the published format loads in the engine, which then decodes exactly as without it
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    plain = LLM(str(bigram_target), draft=None).generate([[5, 6, 7]], params, use_tqdm=False)
-    drafted = LLM(str(bigram_target), draft=str(head)).generate([[5, 6, 7]], params, use_tqdm=False)
-    assert plain[0].outputs[0].token_ids == drafted[0].outputs[0].token_ids
+    assert_decodes_as_plain(bigram_target, head)  # the published format loads in the engine
     # resuming for a second epoch continues from the checkpoint's step, reusing the features
     train_head(TrainConfig(**{**config.__dict__, "epochs": 2, "resume": True}))
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").open()]
@@ -107,3 +113,37 @@ def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
     assert sorted((tmp_path / "run" / "features").glob("shard-*.safetensors")) == shards
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     assert saved["state"]["epoch"] == 2
+
+
+def test_a_reduced_vocabulary_head_is_trained_on_its_tokens(bigram_target, tmp_path):
+    head = train_head(quick_config(bigram_target, tmp_path, 30, draft_vocab_size=24))
+    vocab = json.loads((head / "draft_vocab.json").read_text())["token_ids"]
+    tokenizer = load_tokenizer(str(bigram_target))
+    assistant_tokens = {tokenizer.convert_tokens_to_ids(c) for c in "ABCDEFGH"}
+    assert len(vocab) == 24 and assistant_tokens <= set(vocab)
+    assert_decodes_as_plain(bigram_target, head)
+
+
+def test_reduced_vocabulary_loss_ignores_the_other_lm_head_rows(bigram_target, random_head):
+    llm = LLM(str(bigram_target), draft=None)
+    target = llm.engine.runner.model
+    head = load_head(random_head, llm.engine.spec, 256, torch.device("cpu"), torch.float32)
+    ids = torch.tensor([5, 9, 14, 20, 31, 7, 9, 14])
+    example = TrainingExample(ids, target_features(target, [ids.tolist()])[0], ids > 0)
+    head.draft_vocab = torch.arange(3, 40)
+
+    def losses() -> tuple[float, float]:
+        torch.manual_seed(0)  # the same feature noise each time
+        with torch.no_grad():
+            _, parts = head_losses(head, target, [example])
+        return parts.feature, parts.token
+
+    before = losses()
+    with torch.no_grad():
+        target.lm_head.weight[40:] = torch.randn_like(target.lm_head.weight[40:])
+    assert losses() == before
+    head.draft_vocab = None  # over the whole vocabulary those rows count
+    after_full = losses()
+    with torch.no_grad():
+        target.lm_head.weight[40:] *= 3
+    assert losses()[1] != after_full[1]

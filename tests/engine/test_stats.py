@@ -94,6 +94,7 @@ def test_speculative_steps_report_each_pass(generation_model, tmp_path: Path) ->
         draft_depth=depth,
         draft_top_k=2,
         draft_total_tokens=6,
+        adaptive_draft_budget=False,
         **cpu_options(),
     )
     records = recorded(llm)

@@ -358,17 +358,22 @@ def spec_model(tmp_path_factory) -> tuple[Path, Path]:
     return target, head
 
 
-@pytest.fixture(scope="session")
-def spec_server(spec_model, server_logs) -> Iterator[LiveServer]:
-    """A server that speculates with the trained head (no API key: /metrics needs none)."""
-    target, head = spec_model
-    args = [
+def spec_server_args(head: Path) -> list[str]:
+    return [
         *tiny_server_args("--max-num-seqs", "8", "--max-model-len", "512"),  # later flags win
         "--draft", str(head),
         "--draft-depth", str(SPEC_DEPTH),
         "--draft-top-k", str(SPEC_TOP_K),
         "--draft-total-tokens", str(SPEC_TOTAL_TOKENS),
     ]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def spec_server(spec_model, server_logs) -> Iterator[LiveServer]:
+    """A server that speculates with the trained head (no API key: /metrics needs none), on
+    whole trees every decode step (no adaptive budget), so the speculation counters are exact."""
+    target, head = spec_model
+    args = [*spec_server_args(head), "--no-adaptive-draft-budget"]
     server = start_server(target, server_logs, *args, api_key=None, served_name=SPEC_NAME)
     try:
         yield server

@@ -17,7 +17,9 @@ from tests.server.conftest import (
     SPEC_NAME,
     SPEC_TOTAL_TOKENS,
     LiveServer,
+    spec_server_args,
     sse_events,
+    start_server,
 )
 from tests.tools import REPO, run_tool
 
@@ -44,6 +46,8 @@ CATALOGUE = {
     "aerie_spec_decode_num_accepted_tokens_total": "counter",
     "aerie_spec_decode_num_accepted_tokens_per_pos_total": "counter",
     "aerie_spec_decode_tokens_per_pass": "histogram",
+    "aerie_spec_decode_draft_budget_tokens": "histogram",
+    "aerie_spec_decode_plain_steps_total": "counter",
 }
 SPEC_FAMILIES = {name for name in CATALOGUE if name.startswith("aerie_spec_decode_")}
 
@@ -227,6 +231,34 @@ def test_speculation_counts_drafts_and_accepted_tokens(one_request) -> None:
     emitted = delta(one_request, "aerie_spec_decode_tokens_per_pass_sum")
     assert emitted == 23, "every token after the first came from a speculative pass"
     assert emitted <= accepted + drafts  # accepted + one bonus per pass, cut at max_tokens
+
+
+def test_the_adaptive_budget_accounts_for_every_decode_step(spec_model, server_logs) -> None:
+    """With the default adaptive budget, each decode step of a lone request either verifies the
+    draft tokens its budget chose or decodes plainly, and the budget metrics say which."""
+    target, head = spec_model
+    server = start_server(
+        target, server_logs, *spec_server_args(head), api_key=None, served_name=SPEC_NAME
+    )
+    try:
+        before = scrape(server)
+        complete(server, "one request, alone: ", 24)
+        after = scrape(server)
+    finally:
+        server.stop()
+
+    def change(name: str) -> float:
+        return after(name) - before(name)
+
+    steps = change("aerie_spec_decode_draft_budget_tokens_count")
+    drafted = change("aerie_spec_decode_num_drafts_total")
+    plain = change("aerie_spec_decode_plain_steps_total")
+    assert steps == drafted + plain > 0
+    assert change("aerie_spec_decode_draft_budget_tokens_sum") == change(
+        "aerie_spec_decode_num_draft_tokens_total"
+    )
+    emitted = change("aerie_spec_decode_tokens_per_pass_sum")
+    assert emitted + plain == 23, "each of the 23 tokens after the first came from a decode step"
 
 
 def test_a_repeated_prompt_hits_the_prefix_cache(spec_server) -> None:

@@ -1,0 +1,212 @@
+"""Serving throughput and latency under load: Aerie with speculation, without, and transformers.
+
+One run, side by side, on the default model (smollm2-135m-instruct, fp32), MT-bench first turns,
+greedy, `--max-tokens` new tokens per request (EOS ignored, so every configuration emits the same
+number of tokens), over a concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
+
+* `aerie-spec`: `aerie serve` with the shipped EAGLE head and the adaptive draft budget (default);
+* `aerie-spec-fixed-tree`: the same head verifying whole trees every step, as published engines do
+  (`--no-adaptive-draft-budget`): what the adaptive budget protects against under load;
+* `aerie-ar`: `aerie serve --draft none`;
+* `transformers`: the outside reference, `model.generate` on batches of C prompts (left padded,
+  `min_new_tokens` = `max_new_tokens`), throughput only (it is not a server).
+
+Each server runs alone on the machine (started, swept, stopped in turn). Results merge into
+benchmarks/results/serve.json (with the ratios to AR per level) and serve.png. From the repository
+root:
+
+    .venv/bin/python benchmarks/bench_serve.py                              # the full sweep
+    .venv/bin/python benchmarks/bench_serve.py --concurrency 1,4 --max-tokens 16 \\
+        --out /tmp/serve.json                                               # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import transformers
+from tqdm import tqdm
+
+from engine.model_files import resolve_model_path
+from server.serving_benchmark import BenchConfig, load_prompts, merge_results, run_benchmark
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
+QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
+SERVERS = {
+    "aerie-spec": ["--draft", "auto"],
+    "aerie-spec-fixed-tree": ["--draft", "auto", "--no-adaptive-draft-budget"],
+    "aerie-ar": ["--draft", "none"],
+}
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out)
+    if out.exists():
+        out.unlink()  # one run, side by side: no figures from an earlier run
+    levels = tuple(int(c) for c in args.concurrency.split(","))
+    for label in args.configs.split(","):
+        if label == "transformers":
+            merge_results(out, transformers_sweep(args, levels))
+        else:
+            with running_server(SERVERS[label], args.extra_server_args) as base_url:
+                run_benchmark(bench_config(args, levels, base_url, label, out))
+    data = json.loads(out.read_text())
+    data["ratios_to_ar"] = ratios_to_ar(data["runs"])
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(json.dumps(data["ratios_to_ar"], indent=2))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=0, help="per level; 0: max(8, 2 x C)")
+    parser.add_argument(
+        "--configs", default="aerie-spec,aerie-spec-fixed-tree,aerie-ar,transformers"
+    )
+    parser.add_argument("--extra-server-args", default="", help="added to every aerie serve")
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "serve.json"))
+    return parser.parse_args()
+
+
+def bench_config(args, levels, base_url: str, label: str, out: Path) -> BenchConfig:
+    return BenchConfig(
+        base_url=base_url,
+        prompts=QUESTIONS,
+        concurrency=levels,
+        max_tokens=args.max_tokens,
+        num_prompts=args.num_prompts,
+        max_duration=600.0,
+        ignore_eos=True,
+        label=label,
+        out=out,
+    )
+
+
+class running_server:
+    """`aerie serve` on a free port for the duration of a `with` block."""
+
+    def __init__(self, flags: list[str], extra: str) -> None:
+        self.flags, self.extra = flags, extra.split()
+
+    def __enter__(self) -> str:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = [sys.executable, "-c", "from server.cli import main; main()"]
+        command += ["serve", "--port", str(port)]
+        (REPO_ROOT / "runs").mkdir(exist_ok=True)
+        log = open(REPO_ROOT / "runs" / f"bench-serve-{port}.log", "w")
+        self.process = subprocess.Popen(
+            [*command, *self.flags, *self.extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+        )
+        base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"aerie serve exited: see {log.name}")
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    return base_url
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"aerie serve not ready after 300 s: see {log.name}")
+
+    def __exit__(self, *exc) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def transformers_sweep(args, levels) -> dict:
+    """Batched `generate` throughput: num_prompts prompts per level, in batches of C."""
+    path = resolve_model_path(MODEL)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    conversations = load_prompts(QUESTIONS)
+    results = []
+    for concurrency in levels:
+        total = args.num_prompts or max(8, 2 * concurrency)
+        prompts = [conversations[i % len(conversations)] for i in range(total)]
+        tokens, started = 0, time.perf_counter()
+        for start in tqdm(range(0, total, concurrency), desc=f"transformers @ batch {concurrency}"):
+            batch = prompts[start : start + concurrency]
+            texts = [
+                tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                for m in batch
+            ]
+            inputs = tokenizer(texts, return_tensors="pt", padding=True)
+            with torch.no_grad():
+                output = model.generate(
+                    **inputs,
+                    do_sample=False,
+                    max_new_tokens=args.max_tokens,
+                    min_new_tokens=args.max_tokens,
+                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                )
+            tokens += (output.shape[1] - inputs["input_ids"].shape[1]) * len(batch)
+        elapsed = time.perf_counter() - started
+        results.append(
+            {
+                "concurrency": concurrency,
+                "completed": total,
+                "duration_s": elapsed,
+                "output_tokens": tokens,
+                "request_throughput": total / elapsed,
+                "output_throughput": tokens / elapsed,
+            }
+        )
+    return {
+        "label": "transformers",
+        "model": MODEL,
+        "settings": {"batched": True},
+        "levels": results,
+    }
+
+
+def ratios_to_ar(runs: dict) -> dict:
+    """Output tokens/s and mean TPOT of every configuration over AR's, per concurrency."""
+    if "aerie-ar" not in runs:
+        return {}
+    ar = {level["concurrency"]: level for level in runs["aerie-ar"]["levels"]}
+    ratios = {}
+    for label, run in runs.items():
+        if label == "aerie-ar":
+            continue
+        ratios[label] = {
+            str(level["concurrency"]): {
+                "throughput": level["output_throughput"]
+                / ar[level["concurrency"]]["output_throughput"],
+                **(
+                    {"tpot": level["mean_tpot_ms"] / ar[level["concurrency"]]["mean_tpot_ms"]}
+                    if level.get("mean_tpot_ms")
+                    else {}
+                ),
+            }
+            for level in run["levels"]
+            if level["concurrency"] in ar
+        }
+    return ratios
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,132 @@
+"""DraftBudget: how many draft tokens a step verifies, across the whole batch, so that speculation
+never makes decoding slower.
+
+A draft node's value v is the draft's log-estimate that the target accepts its whole path, so
+c * exp(v) is the number of tokens the node is expected to add; the calibration c (tokens accepted
+over tokens expected, measured as the engine runs) corrects a head that is over- or
+under-confident. A step with B decoding sequences and T0 scheduled tokens (their roots, plus any
+prefill chunks) that verifies N draft nodes emits B + E(N) tokens, E(N) the sum of the N values
+kept, in cost(T0 + N) seconds: the verify cost measured at start-up (engine/verify_cost.py),
+scaled by how long the real passes take against it. The budget keeps the N nodes of highest
+value across all sequences, with N maximising that rate; N = 0 is plain decoding. A child's value
+never exceeds its parent's, so each sequence's kept nodes form a tree.
+
+Drafting costs time too, spent before the values are known. So before drafting, the budget
+predicts both rates for the step's batch, from the recent value curve (the mean calibrated value
+of each sequence's m-th best node) and the drafting time fitted against the number of sequences;
+when drafting does not win, the step decodes plainly without drafting. Every `probe_interval`
+plain steps it drafts anyway, so the estimates follow the traffic.
+
+Which nodes are verified depends only on the drafts, never on the target's answer, so the
+acceptance rule stays lossless.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+
+from engine.verify_cost import VerifyCost
+
+_DECAY = 0.95  # weight of the past in the running estimates, per observation
+_MAX_SCALE = 4.0  # the start-up measurement is trusted to within this factor
+
+
+class DraftBudget:
+    def __init__(self, verify_cost: VerifyCost, probe_interval: int = 16) -> None:
+        self.verify_cost = verify_cost
+        self.probe_interval = probe_interval
+        self.verify_scale = 1.0  # real passes' time over the start-up measurement's
+        self.expected, self.accepted = 1.0, 1.0  # decayed sums behind the calibration
+        self.value_curve: torch.Tensor | None = None  # [M] mean exp(value) of the m-th best node
+        self.draft_times: deque[tuple[int, float]] = deque(maxlen=64)  # (sequences, seconds)
+        self.plain_steps = 0  # steps decoded plainly since the last draft
+
+    @property
+    def calibration(self) -> float:
+        return min(2.0, max(0.05, self.accepted / self.expected))
+
+    # ------------------------------------------------------------------ decisions
+    def should_draft(self, num_decoding: int, num_pass_tokens: int) -> bool:
+        """Whether drafting for `num_decoding` sequences is predicted to beat plain decoding in
+        a step of `num_pass_tokens` scheduled tokens."""
+        if num_decoding == 0:
+            return False
+        if self.value_curve is None or self.plain_steps >= self.probe_interval:
+            return self._drafts()
+        gains = self.calibration * self.value_curve.cumsum(0)  # [M] expected per sequence
+        nodes = torch.arange(1, len(gains) + 1)  # [M] nodes per sequence
+        seconds = self._pass_seconds(num_pass_tokens + num_decoding * nodes)
+        seconds = seconds + self._draft_seconds(num_decoding)
+        drafted_rate = (num_decoding * (1 + gains) / seconds).max()
+        plain_rate = num_decoding / self._pass_seconds(torch.tensor(num_pass_tokens))
+        if drafted_rate > plain_rate:
+            return self._drafts()
+        self.plain_steps += 1
+        return False
+
+    def allocate(self, values: torch.Tensor, num_pass_tokens: int) -> list[int]:
+        """Draft nodes to verify per sequence. values: [B, M] path log-probabilities of each
+        sequence's candidates, best first (-inf where a sequence may not keep more)."""
+        probs = values.exp()  # [B, M]
+        self._observe_values(probs)
+        batch, width = probs.shape
+        flat = probs.flatten() * self.calibration  # [B * M]
+        order = flat.argsort(descending=True, stable=True)  # a row's nodes stay in rank order
+        order = order[flat[order] > 0]  # [K] the nodes that may be kept
+        expected = torch.cat([torch.zeros(1), flat[order].cumsum(0)])  # [K + 1] E(N)
+        num_nodes = torch.arange(len(expected))  # [K + 1] N
+        rate = (batch + expected) / self._pass_seconds(num_pass_tokens + num_nodes)
+        best = int(rate.argmax())  # the first maximum: ties go to fewer nodes
+        counts = torch.bincount(order[:best] // width, minlength=batch)
+        return counts.tolist()
+
+    # ------------------------------------------------------------------ observations
+    def observe_verify(self, num_tokens: int, seconds: float) -> None:
+        ratio = seconds / max(self.verify_cost.at(num_tokens), 1e-9)
+        scale = _DECAY * self.verify_scale + (1 - _DECAY) * ratio
+        self.verify_scale = min(_MAX_SCALE, max(1 / _MAX_SCALE, scale))
+
+    def observe_draft(self, num_sequences: int, seconds: float) -> None:
+        self.draft_times.append((num_sequences, seconds))
+
+    def observe_acceptance(self, expected: float, accepted: int) -> None:
+        """Tokens the verified drafts were expected to add (sum of exp(value)), and added."""
+        self.expected = _DECAY * self.expected + expected
+        self.accepted = _DECAY * self.accepted + accepted
+
+    # ------------------------------------------------------------------ estimates
+    def _drafts(self) -> bool:
+        self.plain_steps = 0
+        return True
+
+    def _observe_values(self, probs: torch.Tensor) -> None:
+        mean = probs.mean(0)  # [M]
+        if self.value_curve is None or len(self.value_curve) != len(mean):
+            self.value_curve = mean
+        else:
+            self.value_curve = _DECAY * self.value_curve + (1 - _DECAY) * mean
+
+    def _pass_seconds(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        return (self.verify_cost(num_tokens) * self.verify_scale).clamp(min=1e-9)
+
+    def _draft_seconds(self, num_sequences: int) -> float:
+        """Drafting time for `num_sequences`, by least squares over recent drafts (a + b * B)."""
+        if not self.draft_times:
+            return 0.0
+        sizes = torch.tensor([b for b, _ in self.draft_times], dtype=torch.float64)
+        times = torch.tensor([t for _, t in self.draft_times], dtype=torch.float64)
+        spread = float(sizes.var(correction=0)) if len(sizes) > 1 else 0.0
+        if spread < 1e-9:
+            return float(times.mean())
+        slope = float(((sizes - sizes.mean()) * (times - times.mean())).mean()) / spread
+        slope = max(0.0, slope)
+        intercept = max(0.0, float(times.mean()) - slope * float(sizes.mean()))
+        return intercept + slope * num_sequences
+
+
+def expected_tokens(values: list[float]) -> float:
+    """Tokens a tree's draft nodes are expected to add: the sum of exp(path value)."""
+    return sum(math.exp(v) for v in values)

@@ -1,0 +1,62 @@
+"""VerifyCost: how long one target pass takes against the number of tokens in it.
+
+Measured once at start-up on decode-shaped passes (sequences of `tokens_per_sequence` new tokens
+over a short context, logits on every row, as a verify pass of draft trees computes), at powers of
+two up to the largest pass the scheduler can build. The draft budget (engine/draft_budget.py)
+weighs extra draft tokens against it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    num_tokens: tuple[int, ...]  # increasing, the first is 1
+    seconds: tuple[float, ...]  # time of a pass with that many tokens
+
+    def __call__(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """Seconds for passes of `num_tokens` tokens (any shape): piecewise linear between the
+        measured points, the last segment's slope beyond them."""
+        xs = torch.tensor(self.num_tokens, dtype=torch.float64)
+        ys = torch.tensor(self.seconds, dtype=torch.float64)
+        x = num_tokens.to(torch.float64).clamp(min=xs[0])
+        segment = (torch.searchsorted(xs, x, right=True) - 1).clamp(0, len(xs) - 2)
+        x0, x1, y0, y1 = xs[segment], xs[segment + 1], ys[segment], ys[segment + 1]
+        return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
+
+    def at(self, num_tokens: int) -> float:
+        return float(self(torch.tensor(num_tokens)))
+
+
+def measure_verify_cost(
+    runner, max_tokens: int, tokens_per_sequence: int, repeats: int = 3
+) -> VerifyCost:
+    """Time passes of 1, 2, 4, ... `max_tokens` tokens with `runner` (the fastest of `repeats`).
+
+    Uses the KV cache as scratch, so call it before any request is scheduled."""
+    points = sorted({2**i for i in range(int(math.log2(max(2, max_tokens))) + 1)} | {max_tokens})
+    runner.synthetic_pass(points[-1], tokens_per_sequence)  # warm-up: allocations, kernels
+    seconds = []
+    for num_tokens in points:
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            runner.synthetic_pass(num_tokens, tokens_per_sequence)
+            times.append(time.perf_counter() - started)
+        seconds.append(min(times))
+    return VerifyCost(tuple(points), tuple(_non_decreasing(seconds)))
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """A bigger pass never costs less: smooth out timing noise that says otherwise."""
+    result, highest = [], 0.0
+    for value in values:
+        highest = max(highest, value)
+        result.append(highest)
+    return result

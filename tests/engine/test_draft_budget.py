@@ -1,0 +1,89 @@
+"""The draft budget keeps the draft nodes worth their verify cost across the batch, and skips
+drafting when plain decoding is predicted to be faster."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.draft_budget import DraftBudget
+from engine.verify_cost import VerifyCost, measure_verify_cost
+from tests.engine.helpers import tiny_engine
+
+
+def linear_cost(base: float, per_token: float) -> VerifyCost:
+    return VerifyCost((1, 4096), (base + per_token, base + 4096 * per_token))
+
+
+def values(*rows: list[float]) -> torch.Tensor:
+    """[B, M] path log-probabilities from acceptance probabilities (0: may not keep)."""
+    return torch.tensor([[math.log(p) if p else -math.inf for p in row] for row in rows])
+
+
+def test_verify_cost_interpolates_and_extends_the_last_slope():
+    cost = VerifyCost((1, 2, 4), (1.0, 1.0, 3.0))
+    assert cost(torch.tensor([0, 1, 3, 4, 8])).tolist() == [1.0, 1.0, 2.0, 3.0, 7.0]
+    assert cost.at(2) == 1.0
+
+
+def test_free_verification_keeps_every_node_a_sequence_may_keep():
+    budget = DraftBudget(VerifyCost((1, 2), (0.1, 0.1)))
+    assert budget.allocate(values([0.9, 0.2, 0.01], [0.5, 0.0, 0.0]), 2) == [3, 1]
+
+
+def test_the_best_nodes_across_the_batch_win():
+    # AR: 2 tokens in 1.2 s. A node of acceptance p pays while p > 0.1 * rate: 0.9, 0.8 and 0.5
+    # do (4.2 tokens in 1.5 s), 0.1 no longer does.
+    budget = DraftBudget(linear_cost(1.0, 0.1))
+    assert budget.allocate(values([0.9, 0.8, 0.05], [0.5, 0.1, 0.01]), 2) == [2, 1]
+
+
+def test_verification_dearer_than_any_draft_means_plain_decoding():
+    budget = DraftBudget(linear_cost(0.01, 1.0))
+    assert budget.allocate(values([0.9, 0.8], [0.7, 0.6]), 2) == [0, 0]
+
+
+def test_an_overconfident_head_is_calibrated_down():
+    budget = DraftBudget(linear_cost(1.0, 0.1))
+    confident = values([0.9, 0.8, 0.6], [0.7, 0.5, 0.3])
+    assert budget.allocate(confident, 2) == [3, 2]
+    for _ in range(100):
+        budget.observe_acceptance(expected=2.0, accepted=0)  # the drafts are never right
+    assert budget.calibration < 0.1
+    assert budget.allocate(confident, 2) == [0, 0]
+
+
+def test_drafting_is_skipped_when_it_costs_more_than_it_saves_and_probed_again():
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
+    assert budget.should_draft(8, 8)  # nothing known yet: draft, and measure
+    budget.allocate(values(*[[0.3, 0.1]] * 8), 8)
+    budget.observe_draft(8, 0.5)  # drafting takes longer than a whole pass
+    decisions = [budget.should_draft(8, 8) for _ in range(6)]
+    assert decisions == [False, False, False, False, True, False]
+    assert not budget.should_draft(0, 4)  # nobody decodes: nothing to draft for
+
+
+def test_cheap_drafting_with_good_drafts_goes_ahead():
+    budget = DraftBudget(linear_cost(0.1, 0.001))
+    budget.allocate(values(*[[0.9, 0.8, 0.7]] * 4), 4)
+    budget.observe_draft(4, 0.01)
+    assert all(budget.should_draft(4, 4) for _ in range(20))
+
+
+@pytest.mark.parametrize("spread", [(4, 10), (4, 4)])
+def test_drafting_time_is_fitted_against_the_batch(spread):
+    budget = DraftBudget(linear_cost(0.1, 0.001))
+    for size in spread:
+        budget.observe_draft(size, 0.01 + 0.002 * size)
+    expected = 0.01 + 0.002 * 7 if spread[0] != spread[1] else 0.01 + 0.002 * 4
+    assert budget._draft_seconds(7) == pytest.approx(expected)
+
+
+def test_measured_cost_grows_with_the_pass(generation_model):
+    engine = tiny_engine(generation_model, max_num_batched_tokens=64)
+    cost = measure_verify_cost(engine.runner, 64, tokens_per_sequence=4, repeats=1)
+    assert cost.num_tokens == (1, 2, 4, 8, 16, 32, 64)
+    assert all(b >= a > 0 for a, b in zip(cost.seconds, cost.seconds[1:]))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

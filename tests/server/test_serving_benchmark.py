@@ -1,0 +1,89 @@
+"""`aerie bench serve`: the load generator's figures against a live server, and their arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from server.serving_benchmark import RequestRecord, load_prompts, summarize
+from tests.server.conftest import API_KEY
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_summary_follows_the_vllm_definitions():
+    records = [
+        RequestRecord(ok=True, output_tokens=5, ttft=0.1, e2e=0.5, itls=[0.1, 0.1, 0.2]),
+        RequestRecord(ok=True, output_tokens=3, ttft=0.2, e2e=0.4, itls=[0.2]),
+        RequestRecord(ok=False, error="HTTP 503"),
+    ]
+    summary = summarize(records, concurrency=2, elapsed=2.0)
+    assert summary["completed"] == 2 and summary["failed"] == 1
+    assert summary["output_throughput"] == pytest.approx(8 / 2.0)
+    assert summary["request_throughput"] == pytest.approx(1.0)
+    assert summary["mean_tpot_ms"] == pytest.approx(1000 * (0.4 / 4 + 0.2 / 2) / 2)
+    itls = [0.1, 0.1, 0.2, 0.2]
+    assert summary["p99_itl_ms"] == pytest.approx(1000 * np.percentile(itls, 99))
+    assert summary["p50_e2e_ms"] == pytest.approx(1000 * np.percentile([0.5, 0.4], 50))
+    assert summary["errors"] == ["HTTP 503"]
+
+
+def test_prompt_files_in_three_shapes(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [
+        {"turns": ["first turn", "second turn"]},
+        {"prompt": "plain"},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert load_prompts(path) == [
+        [{"role": "user", "content": "first turn"}],
+        [{"role": "user", "content": "plain"}],
+        lines[2]["messages"],
+    ]
+
+
+def test_a_sweep_against_a_live_server(tiny_server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about {w}"}) + "\n" for w in "abc"))
+    out = tmp_path / "results" / "serve.json"
+    command = [
+        sys.executable,
+        "-c",
+        "from server.cli import main; main()",
+        "bench",
+        "serve",
+        "--base-url",
+        tiny_server.base_url,
+        "--api-key",
+        API_KEY,
+        "--prompts",
+        str(prompts),
+        "--concurrency",
+        "1,4",
+        "--num-prompts",
+        "8",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--label",
+        "tiny",
+        "--out",
+        str(out),
+    ]
+    subprocess.run(command, check=True, capture_output=True, timeout=240)
+    data = json.loads(out.read_text())
+    run = data["runs"]["tiny"]
+    assert run["model"] == tiny_server.model
+    assert [level["concurrency"] for level in run["levels"]] == [1, 4]
+    for level in run["levels"]:
+        assert level["completed"] == 8 and level["failed"] == 0, level.get("errors")
+        assert level["output_tokens"] == 8 * 12
+        assert 0 < level["mean_ttft_ms"] < level["mean_e2e_ms"]
+        assert level["p50_itl_ms"] <= level["p99_itl_ms"]
+        assert level["output_throughput"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
