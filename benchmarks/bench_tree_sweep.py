@@ -3,6 +3,8 @@
 For each tree shape, Aerie with the given EAGLE head decodes the first turns of MT-bench questions
 (chat template, greedy, ``--max-tokens`` new tokens, batch 1); plain AR decoding runs on the same
 prompts in the same loop, interleaved, so each shape's speedup is a ratio measured side by side.
+The shape is the largest tree; the adaptive draft budget (the engine's default) verifies the part
+of it worth verifying, unless ``--fixed-trees``.
 Writes ``tree_sweep[_TAG].json`` and ``.png`` to ``--out-dir``. Run from the repository root:
 
     .venv/bin/python benchmarks/bench_tree_sweep.py --draft drafting/heads/smollm2-135m-instruct
@@ -36,6 +38,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--total-tokens", default="4,6,10,16")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     parser.add_argument("--tag", default="", help="suffix of the output files' names")
+    parser.add_argument(
+        "--fixed-trees",
+        action="store_true",
+        help="verify every tree whole (no adaptive draft budget): the shape's own acceptance",
+    )
     return parser.parse_args()
 
 
@@ -75,7 +82,12 @@ def main() -> None:
     results = []
     for top_k, depth, total in tqdm(shapes(args), desc="tree shapes"):
         spec = LLM(
-            MODEL, draft=draft, draft_top_k=top_k, draft_depth=depth, draft_total_tokens=total
+            MODEL,
+            draft=draft,
+            draft_top_k=top_k,
+            draft_depth=depth,
+            draft_total_tokens=total,
+            adaptive_draft_budget=not args.fixed_trees,
         )
         timed(spec, prompts[0], params)  # warm-up
         ar_s = spec_s = tokens = 0.0
@@ -107,6 +119,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "greedy": True,
         "batch": 1,
+        "adaptive_draft_budget": not args.fixed_trees,
     }
     stem = f"tree_sweep_{args.tag}" if args.tag else "tree_sweep"
     (args.out_dir / f"{stem}.json").write_text(

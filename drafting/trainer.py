@@ -233,7 +233,10 @@ class HeadTrainer:
     def _evaluate(self, head: EagleHead, prompts: list[list[int]], epoch: int) -> float:
         """Acceptance length of the head as saved, with the real engine, on held-out prompts."""
         folder = save_head(head, self.out / "head", _rope_fields(self.hf_config), torch.float16)
-        llm = LLM(self.config.target, draft=str(folder), num_kv_blocks=256)
+        # whole trees every step: the head's acceptance, not what a draft budget chose to verify
+        llm = LLM(
+            self.config.target, draft=str(folder), num_kv_blocks=256, adaptive_draft_budget=False
+        )
         params = SamplingParams(temperature=0, max_tokens=self.config.eval_max_tokens)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         steps = sum(o.metrics.num_decode_steps for o in outputs)
