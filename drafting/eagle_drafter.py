@@ -25,6 +25,7 @@ from engine.draft_budget import DraftBudget
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, logits_context, sample_one_each
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
+from engine.layers.weight_layout import column_major
 from engine.logits_processing import apply_penalties, target_probabilities, token_logprobs
 from engine.models.decoder import DecoderModel
 from engine.outputs import TokenLogprob
@@ -75,7 +76,10 @@ class EagleDrafter:
         # rows are a fraction of the full one, which dominates drafting for small targets.
         self.draft_vocab = head.draft_vocab  # [V_draft] target token ids, or None
         weight = target.lm_head.weight  # [vocab, hidden]
-        self.draft_lm_head = weight if self.draft_vocab is None else weight[self.draft_vocab]
+        if self.draft_vocab is not None:
+            weight = weight[self.draft_vocab]  # [V_draft, hidden], a row-major copy
+            weight = column_major(weight) if weight.device.type == "cpu" else weight
+        self.draft_lm_head = weight
 
     # ------------------------------------------------------------------ propose
     @torch.inference_mode()

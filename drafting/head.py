@@ -22,6 +22,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.paged_attention import AttentionMetadata
 from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
+from engine.layers.weight_layout import use_column_major_weights
 from engine.layers.weights import FUSED_WEIGHTS, load_named_weights
 from engine.model_files import load_state_dict
 from engine.models.spec import ModelSpec
@@ -117,7 +118,9 @@ def load_head(
     head = EagleHead(spec, RotaryEmbedding(inv_freq, scaling, max_positions))
     _load_weights(head, weights, folder)
     head.draft_vocab = _read_draft_vocab(folder, target.vocab_size)
-    return head.to(device=device, dtype=dtype).eval()  # float casts leave the ids alone
+    head = head.to(device=device, dtype=dtype).eval()  # float casts leave the ids alone
+    use_column_major_weights(head)
+    return head
 
 
 def _read_config(folder: Path) -> dict:

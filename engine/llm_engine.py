@@ -9,6 +9,7 @@ into place, append tokens, check stops, free what finished and the step's draft 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.stats import FinishedRequestStats, StepStats
 from engine.stop_checker import append_token, held_back_length
 from engine.verify_cost import measure_verify_cost
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,7 +110,12 @@ class LLMEngine:
         largest = min(
             config.max_num_batched_tokens, config.max_num_seqs * config.draft_total_tokens, 256
         )
-        return DraftBudget(measure_verify_cost(self.runner, largest, config.draft_total_tokens))
+        cost = measure_verify_cost(self.runner, largest, config.draft_total_tokens)
+        logger.info(
+            "verify cost for the draft budget: %s",
+            ", ".join(f"{n} tok {1000 * s:.1f} ms" for n, s in zip(cost.num_tokens, cost.seconds)),
+        )
+        return DraftBudget(cost)
 
     # ----------------------------------------------------------------- requests in
     def make_request(

@@ -15,6 +15,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.paged_attention import AttentionMetadata
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.weight_layout import use_column_major_weights
 from engine.layers.weights import load_named_weights
 from engine.models.spec import ModelSpec
 
@@ -67,7 +68,9 @@ class DecoderModel(nn.Module):
         model.tie_weights()  # to_empty makes new tensors, which unties them
         model.rotary = rotary.to(device)
         model.load_weights(state_dict)
-        return model.to(dtype).eval()
+        model = model.to(dtype).eval()
+        use_column_major_weights(model)
+        return model
 
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:

@@ -1,0 +1,27 @@
+"""Column-major CPU weights change the memory layout only: same values, same ties, same outputs."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.weight_layout import use_column_major_weights
+from tests.engine.helpers import tiny_engine
+
+
+def test_the_loaded_model_is_column_major_and_keeps_its_ties(generation_model):
+    model = tiny_engine(generation_model).runner.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.t().is_contiguous() for m in linears)
+    if model.spec.tie_word_embeddings:
+        assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_relayout_keeps_every_value_and_result():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    x = torch.randn(6, 48)
+    before, expected = layer.weight.detach().clone(), layer(x)
+    use_column_major_weights(layer)
+    assert not layer.weight.is_contiguous() and layer.weight.t().is_contiguous()
+    assert torch.equal(layer.weight, before)
+    torch.testing.assert_close(layer(x), expected)
