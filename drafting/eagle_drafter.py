@@ -84,16 +84,17 @@ class EagleDrafter:
     # ------------------------------------------------------------------ propose
     @torch.inference_mode()
     def propose(self, batch: SchedulerOutput) -> dict[int, DraftTree]:
-        roots = self._catch_up([item.seq for item in batch.scheduled])
-        drafting = [
-            item for item in batch.scheduled if item.num_lookahead > 0 and item.seq.seq_id in roots
-        ]
-        if not drafting:
+        can_draft = [item for item in batch.scheduled if item.num_lookahead > 0]
+        drafts = bool(can_draft) and (
+            self.budget is None or self.budget.should_draft(len(can_draft), batch.num_new_tokens)
+        )
+        if drafts or self.budget is None or self.budget.head_catch_up_due():
+            roots = self._catch_up([item.seq for item in batch.scheduled])
+        else:  # a plain step: only prefill chunks, whose prompt K/V the prefix cache awaits
+            roots = self._catch_up([i.seq for i in batch.scheduled if i.num_lookahead == 0])
+        drafting = [item for item in can_draft if item.seq.seq_id in roots]
+        if not drafts or not drafting:
             return {}
-        if self.budget is not None and not self.budget.should_draft(
-            len(drafting), batch.num_new_tokens
-        ):
-            return {}  # plain decoding is faster this step; the head has still caught up
         root_features = torch.stack([roots[item.seq.seq_id] for item in drafting])  # [B, hidden]
         started = time.perf_counter()
         trees = self._grow(drafting, root_features, batch.num_new_tokens)

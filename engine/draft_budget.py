@@ -14,8 +14,11 @@ never exceeds its parent's, so each sequence's kept nodes form a tree.
 Drafting costs time too, spent before the values are known. So before drafting, the budget
 predicts both rates for the step's batch, from the recent value curve (the mean calibrated value
 of each sequence's m-th best node) and the drafting time fitted against the number of sequences;
-when drafting does not win, the step decodes plainly without drafting. Every `probe_interval`
-plain steps it drafts anyway, so the estimates follow the traffic.
+when drafting does not win, the step decodes plainly without drafting. After `probe_interval`
+plain steps it drafts anyway, so the estimates follow the traffic; a probe that finds nothing
+worth verifying doubles the wait before the next (up to 256 steps), one that drafts resets it. On
+plain steps the head catches up on the decoding sequences' new tokens only every 8th step, in one
+batch, so that a mostly plain engine costs next to nothing over plain decoding.
 
 Which nodes are verified depends only on the drafts, never on the target's answer, so the
 acceptance rule stays lossless.
@@ -32,12 +35,16 @@ from engine.verify_cost import VerifyCost
 
 _DECAY = 0.95  # weight of the past in the running estimates, per observation
 _MAX_SCALE = 4.0  # the start-up measurement is trusted to within this factor
+_MAX_PROBE_INTERVAL = 256  # plain steps
+_CATCH_UP_EVERY = 8  # plain steps between the head's catch-ups on decoding sequences
 
 
 class DraftBudget:
     def __init__(self, verify_cost: VerifyCost, probe_interval: int = 16) -> None:
         self.verify_cost = verify_cost
         self.probe_interval = probe_interval
+        self.interval = probe_interval  # the current wait between probes
+        self.probing = False  # this step drafts to refresh the estimates, not by prediction
         self.verify_scale = 1.0  # real passes' time over the start-up measurement's
         self.expected, self.accepted = 1.0, 1.0  # decayed sums behind the calibration
         self.value_curve: torch.Tensor | None = None  # [M] mean exp(value) of the m-th best node
@@ -54,7 +61,8 @@ class DraftBudget:
         a step of `num_pass_tokens` scheduled tokens."""
         if num_decoding == 0:
             return False
-        if self.value_curve is None or self.plain_steps >= self.probe_interval:
+        if self.value_curve is None or self.plain_steps >= self.interval:
+            self.probing = True
             return self._drafts()
         gains = self.calibration * self.value_curve.cumsum(0)  # [M] expected per sequence
         nodes = torch.arange(1, len(gains) + 1)  # [M] nodes per sequence
@@ -81,7 +89,18 @@ class DraftBudget:
         rate = (batch + expected) / self._pass_seconds(num_pass_tokens + num_nodes)
         best = int(rate.argmax())  # the first maximum: ties go to fewer nodes
         counts = torch.bincount(order[:best] // width, minlength=batch)
+        if self.probing:  # back off while probes find nothing worth verifying
+            self.probing = False
+            found = best > 0
+            self.interval = (
+                self.probe_interval if found else min(2 * self.interval, _MAX_PROBE_INTERVAL)
+            )
         return counts.tolist()
+
+    def head_catch_up_due(self) -> bool:
+        """Whether this plain step should run the head over the decoding sequences' new tokens
+        (it keeps their K/V complete for the prefix cache and for the next draft)."""
+        return self.plain_steps % _CATCH_UP_EVERY == 0
 
     # ------------------------------------------------------------------ observations
     def observe_verify(self, num_tokens: int, seconds: float) -> None:

@@ -87,3 +87,34 @@ def test_measured_cost_grows_with_the_pass(generation_model):
     assert cost.num_tokens == (1, 2, 4, 8, 16, 32, 64)
     assert all(b >= a > 0 for a, b in zip(cost.seconds, cost.seconds[1:]))
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_probes_back_off_while_they_find_nothing_and_reset_when_they_do():
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
+    hopeless, good = values(*[[0.01, 0.01]] * 8), values(*[[0.9, 0.9]] * 8)
+    budget.observe_draft(8, 0.5)
+    assert budget.should_draft(8, 8)  # nothing known yet: a probe
+    budget.allocate(hopeless, 8)
+    gaps = []
+    for _ in range(3):
+        plain = 0
+        while not budget.should_draft(8, 8):
+            plain += 1
+        gaps.append(plain)
+        budget.allocate(hopeless, 8)  # the probe finds nothing worth verifying, again
+    assert gaps == [8, 16, 32]
+    while not budget.should_draft(8, 8):
+        pass
+    budget.allocate(good, 8)  # this probe does: probe often again
+    assert budget.interval == 4
+
+
+def test_plain_steps_catch_the_head_up_every_eighth_step():
+    budget = DraftBudget(linear_cost(0.1, 0.001))
+    budget.allocate(values(*[[0.01, 0.01]] * 2), 2)
+    budget.observe_draft(2, 0.5)
+    due = []
+    for _ in range(16):
+        assert not budget.should_draft(2, 2)
+        due.append(budget.head_catch_up_due())
+    assert due == [i % 8 == 7 for i in range(16)]

@@ -36,3 +36,22 @@ def test_capital_of_france(default_server) -> None:
     assert choice.finish_reason in ("stop", "length")
     assert 0 < response.usage.completion_tokens <= 32
     assert served == [DEFAULT_MODEL]
+
+
+def test_the_shipped_head_speculates_losslessly() -> None:
+    """`LLM()` loads the head shipped for the default model; with whole trees verified every
+    step, greedy decoding gives plain decoding's tokens and gets drafts accepted."""
+    from engine import LLM, SamplingParams
+    from engine.shipped_heads import shipped_head
+
+    assert shipped_head(DEFAULT_MODEL) is not None
+    questions = ["Write a haiku about the sea.", "Explain what a CPU cache is."]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = LLM(DEFAULT_MODEL, draft=None)
+    speculative = LLM(DEFAULT_MODEL, adaptive_draft_budget=False)  # draft="auto"
+    assert speculative.engine.config.draft == str(shipped_head(DEFAULT_MODEL))
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    expected = plain.chat(messages, params, use_tqdm=False)
+    outputs = speculative.chat(messages, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
