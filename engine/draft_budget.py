@@ -48,6 +48,8 @@ class DraftBudget:
         self.verify_scale = 1.0  # real passes' time over the start-up measurement's
         self.expected, self.accepted = 1.0, 1.0  # decayed sums behind the calibration
         self.value_curve: torch.Tensor | None = None  # [M] mean exp(value) of the m-th best node
+        self.gain_curve: list[float] = []  # [M] its running sums: expected tokens of the m best
+        self.draft_fit = (0.0, 0.0)  # seconds of drafting = a + b * sequences
         self.draft_times: deque[tuple[int, float]] = deque(maxlen=64)  # (sequences, seconds)
         self.plain_steps = 0  # steps decoded plainly since the last draft
 
@@ -64,12 +66,14 @@ class DraftBudget:
         if self.value_curve is None or self.plain_steps >= self.interval:
             self.probing = True
             return self._drafts()
-        gains = self.calibration * self.value_curve.cumsum(0)  # [M] expected per sequence
-        nodes = torch.arange(1, len(gains) + 1)  # [M] nodes per sequence
-        seconds = self._pass_seconds(num_pass_tokens + num_decoding * nodes)
-        seconds = seconds + self._draft_seconds(num_decoding)
-        drafted_rate = (num_decoding * (1 + gains) / seconds).max()
-        plain_rate = num_decoding / self._pass_seconds(torch.tensor(num_pass_tokens))
+        calibration, draft_seconds = self.calibration, self._draft_seconds(num_decoding)
+        drafted_rate = max(  # trees of the same size for every sequence: 1, 2, ... nodes
+            num_decoding
+            * (1 + calibration * gain)
+            / (self._seconds(num_pass_tokens + num_decoding * nodes) + draft_seconds)
+            for nodes, gain in enumerate(self.gain_curve, start=1)
+        )
+        plain_rate = num_decoding / self._seconds(num_pass_tokens)
         if drafted_rate > plain_rate:
             return self._drafts()
         self.plain_steps += 1
@@ -110,6 +114,7 @@ class DraftBudget:
 
     def observe_draft(self, num_sequences: int, seconds: float) -> None:
         self.draft_times.append((num_sequences, seconds))
+        self.draft_fit = self._fit_draft_times()
 
     def observe_acceptance(self, expected: float, accepted: int) -> None:
         """Tokens the verified drafts were expected to add (sum of exp(value)), and added."""
@@ -127,23 +132,29 @@ class DraftBudget:
             self.value_curve = mean
         else:
             self.value_curve = _DECAY * self.value_curve + (1 - _DECAY) * mean
+        self.gain_curve = self.value_curve.cumsum(0).tolist()  # expected tokens of the m best
+
+    def _seconds(self, num_tokens: int) -> float:
+        return max(self.verify_cost.at(num_tokens) * self.verify_scale, 1e-9)
 
     def _pass_seconds(self, num_tokens: torch.Tensor) -> torch.Tensor:
         return (self.verify_cost(num_tokens) * self.verify_scale).clamp(min=1e-9)
 
     def _draft_seconds(self, num_sequences: int) -> float:
-        """Drafting time for `num_sequences`, by least squares over recent drafts (a + b * B)."""
-        if not self.draft_times:
-            return 0.0
-        sizes = torch.tensor([b for b, _ in self.draft_times], dtype=torch.float64)
-        times = torch.tensor([t for _, t in self.draft_times], dtype=torch.float64)
-        spread = float(sizes.var(correction=0)) if len(sizes) > 1 else 0.0
-        if spread < 1e-9:
-            return float(times.mean())
-        slope = float(((sizes - sizes.mean()) * (times - times.mean())).mean()) / spread
-        slope = max(0.0, slope)
-        intercept = max(0.0, float(times.mean()) - slope * float(sizes.mean()))
+        intercept, slope = self.draft_fit
         return intercept + slope * num_sequences
+
+    def _fit_draft_times(self) -> tuple[float, float]:
+        """Drafting time against sequences, by least squares over recent drafts (a + b * B)."""
+        sizes = [b for b, _ in self.draft_times]
+        times = [t for _, t in self.draft_times]
+        mean_size, mean_time = sum(sizes) / len(sizes), sum(times) / len(times)
+        spread = sum((b - mean_size) ** 2 for b in sizes)
+        if spread < 1e-9:
+            return mean_time, 0.0
+        covariance = sum((b - mean_size) * (t - mean_time) for b, t in zip(sizes, times))
+        slope = max(0.0, covariance / spread)
+        return max(0.0, mean_time - slope * mean_size), slope
 
 
 def expected_tokens(values: list[float]) -> float:

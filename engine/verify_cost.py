@@ -8,6 +8,7 @@ weighs extra draft tokens against it.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass
@@ -30,8 +31,13 @@ class VerifyCost:
         x0, x1, y0, y1 = xs[segment], xs[segment + 1], ys[segment], ys[segment + 1]
         return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
 
-    def at(self, num_tokens: int) -> float:
-        return float(self(torch.tensor(num_tokens)))
+    def at(self, num_tokens: float) -> float:
+        """The same for one pass, in plain Python (it runs every step)."""
+        xs, ys = self.num_tokens, self.seconds
+        x = max(num_tokens, xs[0])
+        segment = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+        x0, x1, y0, y1 = xs[segment], xs[segment + 1], ys[segment], ys[segment + 1]
+        return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
 
 
 def measure_verify_cost(
