@@ -11,7 +11,9 @@ number of tokens), over a concurrency sweep with `aerie bench serve` (server/ser
 * `transformers`: the outside reference, `model.generate` on batches of C prompts (left padded,
   `min_new_tokens` = `max_new_tokens`), throughput only (it is not a server).
 
-Each server runs alone on the machine (started, swept, stopped in turn). Results merge into
+The Aerie servers run at once, idle but for the one being measured: each concurrency level runs
+against each configuration in turn, so a slow spell of this shared machine hits them alike.
+transformers runs after them, in this process. Results merge into
 benchmarks/results/serve.json (with the ratios to AR per level) and serve.png. From the repository
 root:
 
@@ -23,6 +25,7 @@ root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -30,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -56,23 +60,50 @@ def main() -> None:
     if out.exists():
         out.unlink()  # one run, side by side: no figures from an earlier run
     levels = tuple(int(c) for c in args.concurrency.split(","))
-    for label in args.configs.split(","):
-        if label == "transformers":
-            merge_results(out, transformers_sweep(args, levels))
-        else:
-            with running_server(SERVERS[label], args.extra_server_args) as base_url:
-                run_benchmark(bench_config(args, levels, base_url, label, out))
+    labels = args.configs.split(",")
+    for result in aerie_sweeps(args, levels, [label for label in labels if label in SERVERS]):
+        merge_results(out, result)
+    if "transformers" in labels:
+        merge_results(out, transformers_sweep(args, levels))
     data = json.loads(out.read_text())
     data["ratios_to_ar"] = ratios_to_ar(data["runs"])
     out.write_text(json.dumps(data, indent=2) + "\n")
     print(json.dumps(data["ratios_to_ar"], indent=2))
 
 
+def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
+    """Every Aerie configuration up at once (idle servers sleep); each concurrency level runs
+    against each in turn, so a slow spell of this shared machine hits them alike."""
+    with contextlib.ExitStack() as stack:
+        urls = {
+            label: stack.enter_context(running_server(SERVERS[label], args.extra_server_args))
+            for label in labels
+        }
+        for label, url in urls.items():  # warm-up: the first requests of a process run slower
+            run_benchmark(replace(bench_config(args, (1,), url, label), num_prompts=2))
+        results = {label: None for label in labels}
+        for concurrency in levels:
+            for label, url in urls.items():
+                result = run_benchmark(bench_config(args, (concurrency,), url, label))
+                if results[label] is None:
+                    results[label] = result
+                else:
+                    results[label]["levels"] += result["levels"]
+    for result in results.values():
+        result["settings"]["concurrency"] = list(levels)
+    return list(results.values())
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=0, help="per level; 0: max(8, 2 x C)")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=0,
+        help="per level; 0: max(8, 4 x C) (transformers: 2 x C)",
+    )
     parser.add_argument(
         "--configs", default="aerie-spec,aerie-spec-fixed-tree,aerie-ar,transformers"
     )
@@ -81,7 +112,7 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def bench_config(args, levels, base_url: str, label: str, out: Path) -> BenchConfig:
+def bench_config(args, levels, base_url: str, label: str) -> BenchConfig:
     return BenchConfig(
         base_url=base_url,
         prompts=QUESTIONS,
@@ -91,7 +122,6 @@ def bench_config(args, levels, base_url: str, label: str, out: Path) -> BenchCon
         max_duration=600.0,
         ignore_eos=True,
         label=label,
-        out=out,
     )
 
 
@@ -144,7 +174,7 @@ def transformers_sweep(args, levels) -> dict:
     conversations = load_prompts(QUESTIONS)
     results = []
     for concurrency in levels:
-        total = args.num_prompts or max(8, 2 * concurrency)
+        total = args.num_prompts or max(8, 2 * concurrency)  # throughput only: fewer suffice
         prompts = [conversations[i % len(conversations)] for i in range(total)]
         tokens, started = 0, time.perf_counter()
         for start in tqdm(range(0, total, concurrency), desc=f"transformers @ batch {concurrency}"):
