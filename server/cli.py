@@ -116,6 +116,12 @@ def _add_dataclass_flags(cmd, config_class, skip: tuple[str, ...]) -> None:
         cmd.add_argument(flag, type=kind, default=field.default, help=f"default: {field.default}")
 
 
+def _config_from_args(config_class, args: argparse.Namespace):
+    """`config_class` built from the parsed flags that name its fields."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return config_class(**{k: v for k, v in vars(args).items() if k in names})
+
+
 def _add_bench(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench", required=True
@@ -190,17 +196,13 @@ def _generate(args: argparse.Namespace) -> None:
 def _train_head(args: argparse.Namespace) -> None:
     from drafting.trainer import TrainConfig, train_head
 
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
-    print(f"head written to {train_head(config)}")
+    print(f"head written to {train_head(_config_from_args(TrainConfig, args))}")
 
 
 def _distill_data(args: argparse.Namespace) -> None:
     from drafting.distill import DistillConfig, distill
 
-    names = {f.name for f in dataclasses.fields(DistillConfig)}
-    config = DistillConfig(**{k: v for k, v in vars(args).items() if k in names})
-    print(f"answers written to {distill(config)}")
+    print(f"answers written to {distill(_config_from_args(DistillConfig, args))}")
 
 
 def _bench_serve(args: argparse.Namespace) -> None:

@@ -2,8 +2,10 @@
 
 Every sequence in a step brings `num_new` query tokens and attends to its whole context (the tokens
 already cached plus the new ones). The metadata says where each new token's K/V is written
-(`slot_mapping`) and which slots each sequence reads (`context_slots`), built once per step
-and shared by every layer. Queries are padded per sequence to [B, Q] so that one SDPA call
+(`slot_mapping`) and which blocks each sequence reads (`block_tables`), built once per step
+and shared by every layer. Keys are gathered block by block (whole blocks are contiguous in the
+cache, so the copy runs at memory speed), which pads each sequence's keys to whole blocks; the
+mask hides the padding. Queries are padded per sequence to [B, Q] so that one SDPA call
 serves the whole batch.
 """
 
@@ -35,7 +37,7 @@ class SequenceAttention:
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
-    context_slots: torch.Tensor  # [B, C] flat cache slot of every context entry (padding: slot 0)
+    block_tables: torch.Tensor  # [B * max_blocks] each sequence's blocks (padding: block 0)
     mask: torch.Tensor | None  # [B, 1, Q, C] True where a query may attend; None: everywhere
     query_index: torch.Tensor | None  # [B, Q] flat token of each padded query; None when B == 1
     output_index: torch.Tensor | None  # [T] row of each token in the flattened [B * Q] output
@@ -51,9 +53,12 @@ def build_attention_metadata(
     num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
     num_new = torch.tensor([s.num_new for s in sequences])  # [B]
     context_len = num_cached + num_new  # [B]
-    num_queries, num_keys = int(num_new.max()), int(context_len.max())
+    tables = _block_tables(sequences)  # [B, max_blocks]
+    num_queries, num_keys = int(num_new.max()), tables.shape[1] * block_size
 
-    context_slots = _context_slots(sequences, block_size, num_keys)  # [B, C]
+    context_slots = tables.repeat_interleave(block_size, 1) * block_size + torch.arange(
+        block_size
+    ).repeat(tables.shape[1])  # [B, C] flat cache slot of every key entry
     query_entry = num_cached[:, None] + torch.arange(num_queries)[None, :]  # [B, Q]
     key_entry = torch.arange(num_keys)[None, None, :]  # [1, 1, C]
     mask = (key_entry <= query_entry[:, :, None]) & (key_entry < context_len[:, None, None])
@@ -75,7 +80,7 @@ def build_attention_metadata(
         output_index = flat_rows[valid_query]  # [T]
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
-        context_slots=context_slots.to(device),
+        block_tables=tables.view(-1).to(device),
         mask=None if bool(mask.all()) else mask.unsqueeze(1).to(device),
         query_index=None if query_index is None else query_index.to(device),
         output_index=None if output_index is None else output_index.to(device),
@@ -94,14 +99,12 @@ def _positions(sequences: list[SequenceAttention], num_queries: int, num_keys: i
     return query_pos, key_pos
 
 
-def _context_slots(sequences: list[SequenceAttention], block_size: int, num_keys: int):
+def _block_tables(sequences: list[SequenceAttention]) -> torch.Tensor:  # [B, max_blocks]
     max_blocks = max(len(s.block_table) for s in sequences)
-    tables = torch.zeros(len(sequences), max_blocks, dtype=torch.long)  # [B, max_blocks]
+    tables = torch.zeros(len(sequences), max_blocks, dtype=torch.long)
     for row, s in enumerate(sequences):
         tables[row, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
-    positions = torch.arange(num_keys)  # [C]
-    block_index = (positions // block_size).clamp(max=max_blocks - 1)
-    return tables[:, block_index] * block_size + positions % block_size  # [B, C]
+    return tables
 
 
 def _apply_tree_masks(mask: torch.Tensor, sequences: list[SequenceAttention]) -> None:
@@ -129,8 +132,9 @@ def paged_attention(
 
     # [B, Q, H, D]; a single sequence needs no padding
     queries = q.unsqueeze(0) if meta.query_index is None else q[meta.query_index]
-    keys = k_flat[meta.context_slots]  # [B, C, KV, D]
-    values = v_flat[meta.context_slots]  # [B, C, KV, D]
+    batch = 1 if meta.query_index is None else meta.query_index.shape[0]
+    keys = k_cache.index_select(0, meta.block_tables).view(batch, -1, *k.shape[1:])  # [B, C, KV, D]
+    values = v_cache.index_select(0, meta.block_tables).view(batch, -1, *v.shape[1:])
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),  # [B, H, Q, D]
         keys.transpose(1, 2),  # [B, KV, C, D]
