@@ -8,6 +8,7 @@ number of tokens), over a concurrency sweep with `aerie bench serve` (server/ser
 * `aerie-spec-fixed-tree`: the same head verifying whole trees every step, as published engines do
   (`--no-adaptive-draft-budget`): what the adaptive budget protects against under load;
 * `aerie-ar`: `aerie serve --draft none`;
+* `aerie-spec-compiled` and `aerie-ar-compiled`: the same with `--enable-torch-compile`;
 * `transformers`: the outside reference, `model.generate` on batches of C prompts (left padded,
   `min_new_tokens` = `max_new_tokens`), throughput only (it is not a server).
 
@@ -51,7 +52,10 @@ SERVERS = {
     "aerie-spec": ["--draft", "auto"],
     "aerie-spec-fixed-tree": ["--draft", "auto", "--no-adaptive-draft-budget"],
     "aerie-ar": ["--draft", "none"],
+    "aerie-spec-compiled": ["--draft", "auto", "--enable-torch-compile"],
+    "aerie-ar-compiled": ["--draft", "none", "--enable-torch-compile"],
 }
+READY_TIMEOUT_S = 1200  # compiling servers start together and share the cores
 
 
 def main() -> None:
@@ -102,11 +106,10 @@ def parse_args() -> argparse.Namespace:
         "--num-prompts",
         type=int,
         default=0,
-        help="per level; 0: max(8, 4 x C) (transformers: 2 x C)",
+        help="per level; 0: max(8, P x C) with P = --prompts-per-client (transformers: 2 x C)",
     )
-    parser.add_argument(
-        "--configs", default="aerie-spec,aerie-spec-fixed-tree,aerie-ar,transformers"
-    )
+    parser.add_argument("--prompts-per-client", type=int, default=4)
+    parser.add_argument("--configs", default=",".join([*SERVERS, "transformers"]))
     parser.add_argument("--extra-server-args", default="", help="added to every aerie serve")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "serve.json"))
     return parser.parse_args()
@@ -118,7 +121,7 @@ def bench_config(args, levels, base_url: str, label: str) -> BenchConfig:
         prompts=QUESTIONS,
         concurrency=levels,
         max_tokens=args.max_tokens,
-        num_prompts=args.num_prompts,
+        num_prompts=args.num_prompts or max(8, args.prompts_per_client * max(levels)),
         max_duration=600.0,
         ignore_eos=True,
         label=label,
@@ -146,7 +149,7 @@ class running_server:
             cwd=REPO_ROOT,
         )
         base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"aerie serve exited: see {log.name}")
@@ -156,7 +159,7 @@ class running_server:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise RuntimeError(f"aerie serve not ready after 300 s: see {log.name}")
+        raise RuntimeError(f"aerie serve not ready after {READY_TIMEOUT_S} s: see {log.name}")
 
     def __exit__(self, *exc) -> None:
         self.process.send_signal(signal.SIGTERM)

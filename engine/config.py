@@ -29,6 +29,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
+    # torch.compile the target model (engine/compilation.py): faster steps, minutes of start-up
+    enable_torch_compile: bool = False
     draft: str | None = None  # EAGLE-1/2 head folder; None: plain autoregressive decoding
     # The tree's defaults were chosen by benchmarks/bench_tree_sweep.py on this project's 2-core CPU
     # machine (benchmarks/results/tree_sweep*.json): verifying extra tokens and running the head

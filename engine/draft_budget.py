@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
 import torch
 
 from engine.verify_cost import VerifyCost
@@ -48,7 +49,7 @@ class DraftBudget:
         self.verify_scale = 1.0  # real passes' time over the start-up measurement's
         self.expected, self.accepted = 1.0, 1.0  # decayed sums behind the calibration
         self.value_curve: torch.Tensor | None = None  # [M] mean exp(value) of the m-th best node
-        self.gain_curve: list[float] = []  # [M] its running sums: expected tokens of the m best
+        self.gain_curve = np.zeros(0)  # [M] its running sums: expected tokens of the m best
         self.draft_fit = (0.0, 0.0)  # seconds of drafting = a + b * sequences
         self.draft_times: deque[tuple[int, float]] = deque(maxlen=64)  # (sequences, seconds)
         self.plain_steps = 0  # steps decoded plainly since the last draft
@@ -66,13 +67,16 @@ class DraftBudget:
         if self.value_curve is None or self.plain_steps >= self.interval:
             self.probing = True
             return self._drafts()
-        calibration, draft_seconds = self.calibration, self._draft_seconds(num_decoding)
-        drafted_rate = max(  # trees of the same size for every sequence: 1, 2, ... nodes
+        # trees of the same size for every sequence: 1, 2, ... M nodes
+        nodes = np.arange(1, len(self.gain_curve) + 1)  # [M]
+        drafted_rate = (
             num_decoding
-            * (1 + calibration * gain)
-            / (self._seconds(num_pass_tokens + num_decoding * nodes) + draft_seconds)
-            for nodes, gain in enumerate(self.gain_curve, start=1)
-        )
+            * (1 + self.calibration * self.gain_curve)
+            / (
+                self._seconds(num_pass_tokens + num_decoding * nodes)
+                + self._draft_seconds(num_decoding)
+            )
+        ).max(initial=0.0)
         plain_rate = num_decoding / self._seconds(num_pass_tokens)
         if drafted_rate > plain_rate:
             return self._drafts()
@@ -88,9 +92,9 @@ class DraftBudget:
         flat = probs.flatten() * self.calibration  # [B * M]
         order = flat.argsort(descending=True, stable=True)  # a row's nodes stay in rank order
         order = order[flat[order] > 0]  # [K] the nodes that may be kept
-        expected = torch.cat([torch.zeros(1), flat[order].cumsum(0)])  # [K + 1] E(N)
-        num_nodes = torch.arange(len(expected))  # [K + 1] N
-        rate = (batch + expected) / self._pass_seconds(num_pass_tokens + num_nodes)
+        expected = np.concatenate([[0.0], flat[order].cumsum(0).numpy()])  # [K + 1] E(N)
+        num_nodes = np.arange(len(expected))  # [K + 1] N
+        rate = (batch + expected) / self._seconds(num_pass_tokens + num_nodes)
         best = int(rate.argmax())  # the first maximum: ties go to fewer nodes
         counts = torch.bincount(order[:best] // width, minlength=batch)
         if self.probing:  # back off while probes find nothing worth verifying
@@ -108,7 +112,7 @@ class DraftBudget:
 
     # ------------------------------------------------------------------ observations
     def observe_verify(self, num_tokens: int, seconds: float) -> None:
-        ratio = seconds / max(self.verify_cost.at(num_tokens), 1e-9)
+        ratio = seconds / max(self.verify_cost(num_tokens), 1e-9)
         scale = _DECAY * self.verify_scale + (1 - _DECAY) * ratio
         self.verify_scale = min(_MAX_SCALE, max(1 / _MAX_SCALE, scale))
 
@@ -132,13 +136,11 @@ class DraftBudget:
             self.value_curve = mean
         else:
             self.value_curve = _DECAY * self.value_curve + (1 - _DECAY) * mean
-        self.gain_curve = self.value_curve.cumsum(0).tolist()  # expected tokens of the m best
+        self.gain_curve = self.value_curve.cumsum(0).numpy()  # expected tokens of the m best
 
-    def _seconds(self, num_tokens: int) -> float:
-        return max(self.verify_cost.at(num_tokens) * self.verify_scale, 1e-9)
-
-    def _pass_seconds(self, num_tokens: torch.Tensor) -> torch.Tensor:
-        return (self.verify_cost(num_tokens) * self.verify_scale).clamp(min=1e-9)
+    def _seconds(self, num_tokens):
+        """Seconds of a pass of `num_tokens` tokens (a number or an array) on this machine now."""
+        return np.maximum(self.verify_cost(num_tokens) * self.verify_scale, 1e-9)
 
     def _draft_seconds(self, num_sequences: int) -> float:
         intercept, slope = self.draft_fit

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.compilation import compile_model, warm_up
 from engine.config import EngineConfig
 from engine.draft_tree import DraftTree
 from engine.kv_cache import KVCache, LayerShape
@@ -49,6 +50,10 @@ class ModelRunner:
         layers += list(extra_layers)
         self.num_blocks = self._num_kv_blocks(layers)
         self.kv_cache = KVCache(layers, self.num_blocks, config.block_size, self.dtype, self.device)
+        self.forward = self.model  # [T] ids, [T] positions, K/V, metadata -> [T, hidden]
+        if config.enable_torch_compile:
+            self.forward = compile_model(self.model)
+            warm_up(self)
 
     def _num_kv_blocks(self, layers: list[LayerShape]) -> int:
         if self.config.num_kv_blocks is not None:
@@ -82,7 +87,7 @@ class ModelRunner:
         meta = build_attention_metadata(
             sequences, self.config.block_size, self.device, self.spec.sliding_window
         )
-        hidden = self.model(
+        hidden = self.forward(
             torch.tensor(input_ids, device=self.device),  # [T]
             torch.tensor(positions, device=self.device),  # [T]
             self.kv_cache.layers,
@@ -109,7 +114,7 @@ class ModelRunner:
         )
         positions = torch.cat([torch.arange(context, context + n) for n in sizes])  # [T]
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(ids, positions.to(self.device), self.kv_cache.layers, meta)
+        hidden = self.forward(ids, positions.to(self.device), self.kv_cache.layers, meta)
         self.model.compute_logits(hidden)  # [T, vocab]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -8,12 +8,11 @@ weighs extra draft tokens against it.
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -21,23 +20,14 @@ class VerifyCost:
     num_tokens: tuple[int, ...]  # increasing, the first is 1
     seconds: tuple[float, ...]  # time of a pass with that many tokens
 
-    def __call__(self, num_tokens: torch.Tensor) -> torch.Tensor:
-        """Seconds for passes of `num_tokens` tokens (any shape): piecewise linear between the
-        measured points, the last segment's slope beyond them."""
-        xs = torch.tensor(self.num_tokens, dtype=torch.float64)
-        ys = torch.tensor(self.seconds, dtype=torch.float64)
-        x = num_tokens.to(torch.float64).clamp(min=xs[0])
-        segment = (torch.searchsorted(xs, x, right=True) - 1).clamp(0, len(xs) - 2)
-        x0, x1, y0, y1 = xs[segment], xs[segment + 1], ys[segment], ys[segment + 1]
-        return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
-
-    def at(self, num_tokens: float) -> float:
-        """The same for one pass, in plain Python (it runs every step)."""
+    def __call__(self, num_tokens):
+        """Seconds for a pass of `num_tokens` tokens (a number, or an array of them: then an
+        array): piecewise linear between the measured points, the last segment's slope beyond."""
         xs, ys = self.num_tokens, self.seconds
-        x = max(num_tokens, xs[0])
-        segment = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
-        x0, x1, y0, y1 = xs[segment], xs[segment + 1], ys[segment], ys[segment + 1]
-        return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
+        x = np.maximum(np.asarray(num_tokens, dtype=np.float64), xs[0])
+        last_slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        seconds = np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * last_slope, np.interp(x, xs, ys))
+        return float(seconds) if seconds.ndim == 0 else seconds
 
 
 def measure_verify_cost(

@@ -38,7 +38,7 @@ class SequenceAttention:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     block_tables: torch.Tensor  # [B * max_blocks] each sequence's blocks (padding: block 0)
-    mask: torch.Tensor | None  # [B, 1, Q, C] True where a query may attend; None: everywhere
+    mask: torch.Tensor  # [B, 1, Q, C] True where a query may attend
     query_index: torch.Tensor | None  # [B, Q] flat token of each padded query; None when B == 1
     output_index: torch.Tensor | None  # [T] row of each token in the flattened [B * Q] output
 
@@ -81,7 +81,7 @@ def build_attention_metadata(
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         block_tables=tables.view(-1).to(device),
-        mask=None if bool(mask.all()) else mask.unsqueeze(1).to(device),
+        mask=mask.unsqueeze(1).to(device),
         query_index=None if query_index is None else query_index.to(device),
         output_index=None if output_index is None else output_index.to(device),
     )

@@ -83,6 +83,22 @@ def test_greedy_speculation_equals_plain_decoding(bigram_target, head, scenario,
         assert accepted < 0.05 * drafted, "a random head is almost never right"
 
 
+def test_a_compiled_target_speculates_as_the_eager_one_decodes(bigram_target, trained_head):
+    """torch.compile (fused kernels, frozen weights) verifying trees of many sequences at once
+    gives the eager engine's plain greedy output."""
+    prompts = mixed_prompts(8, seed=5)
+    _, plain = generate(bigram_target, None, prompts, num_kv_blocks=1024)
+    llm, compiled = generate(
+        bigram_target, trained_head, prompts, num_kv_blocks=1024, enable_torch_compile=True
+    )
+    for prompt, a, b in zip(prompts, plain, compiled):
+        assert_same_or_near_tie(
+            bigram_target, prompt, a.outputs[0].token_ids, b.outputs[0].token_ids
+        )
+    assert acceptance_length(compiled) > 1.5, "the compiled target should still accept drafts"
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 def test_prefix_caching_with_speculation(bigram_target, trained_head):
     shared = mixed_prompts(1, seed=5)[0] * 2  # a long common prefix
     prompts = [shared + tail for tail in mixed_prompts(6, seed=6)]

@@ -24,8 +24,8 @@ def values(*rows: list[float]) -> torch.Tensor:
 
 def test_verify_cost_interpolates_and_extends_the_last_slope():
     cost = VerifyCost((1, 2, 4), (1.0, 1.0, 3.0))
-    assert cost(torch.tensor([0, 1, 3, 4, 8])).tolist() == [1.0, 1.0, 2.0, 3.0, 7.0]
-    assert cost.at(2) == 1.0
+    assert cost([0, 1, 3, 4, 8]).tolist() == [1.0, 1.0, 2.0, 3.0, 7.0]
+    assert cost(2) == 1.0 and cost(16) == 15.0
 
 
 def test_free_verification_keeps_every_node_a_sequence_may_keep():

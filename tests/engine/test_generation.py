@@ -73,6 +73,7 @@ ENGINE_SETUPS = {
     "chunked-prefill": {"max_num_batched_tokens": 8},
     # 32 blocks of 4 tokens hold two of the longest sequences (40 + 24 tokens), not six.
     "preemption": {"block_size": 4, "num_kv_blocks": 32},
+    "torch-compile": {"enable_torch_compile": True},
 }
 
 
