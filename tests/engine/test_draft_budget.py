@@ -109,12 +109,12 @@ def test_probes_back_off_while_they_find_nothing_and_reset_when_they_do():
     assert budget.interval == 4
 
 
-def test_plain_steps_catch_the_head_up_every_eighth_step():
-    budget = DraftBudget(linear_cost(0.1, 0.001))
+def test_plain_steps_catch_the_head_up_every_32nd_step():
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=1000)
     budget.allocate(values(*[[0.01, 0.01]] * 2), 2)
     budget.observe_draft(2, 0.5)
     due = []
-    for _ in range(16):
+    for _ in range(64):
         assert not budget.should_draft(2, 2)
         due.append(budget.head_catch_up_due())
-    assert due == [i % 8 == 7 for i in range(16)]
+    assert due == [i % 32 == 31 for i in range(64)]
