@@ -61,7 +61,7 @@ READY_TIMEOUT_S = 1200  # compiling servers start together and share the cores
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
-    if out.exists():
+    if out.exists() and not args.merge:
         out.unlink()  # one run, side by side: no figures from an earlier run
     levels = tuple(int(c) for c in args.concurrency.split(","))
     labels = args.configs.split(",")
@@ -111,6 +111,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts-per-client", type=int, default=4)
     parser.add_argument("--configs", default=",".join([*SERVERS, "transformers"]))
     parser.add_argument("--extra-server-args", default="", help="added to every aerie serve")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other configurations' results in --out (rerun some configurations only)",
+    )
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "serve.json"))
     return parser.parse_args()
 

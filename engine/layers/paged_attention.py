@@ -37,7 +37,7 @@ class SequenceAttention:
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
-    block_tables: torch.Tensor  # [B * max_blocks] each sequence's blocks (padding: block 0)
+    block_tables: torch.Tensor  # [B, max_blocks] each sequence's blocks (padding: block 0)
     mask: torch.Tensor  # [B, 1, Q, C] True where a query may attend
     query_index: torch.Tensor | None  # [B, Q] flat token of each padded query; None when B == 1
     output_index: torch.Tensor | None  # [T] row of each token in the flattened [B * Q] output
@@ -80,7 +80,7 @@ def build_attention_metadata(
         output_index = flat_rows[valid_query]  # [T]
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
-        block_tables=tables.view(-1).to(device),
+        block_tables=tables.to(device),
         mask=mask.unsqueeze(1).to(device),
         query_index=None if query_index is None else query_index.to(device),
         output_index=None if output_index is None else output_index.to(device),
@@ -132,9 +132,10 @@ def paged_attention(
 
     # [B, Q, H, D]; a single sequence needs no padding
     queries = q.unsqueeze(0) if meta.query_index is None else q[meta.query_index]
-    batch = 1 if meta.query_index is None else meta.query_index.shape[0]
-    keys = k_cache.index_select(0, meta.block_tables).view(batch, -1, *k.shape[1:])  # [B, C, KV, D]
-    values = v_cache.index_select(0, meta.block_tables).view(batch, -1, *v.shape[1:])
+    tables = meta.block_tables  # [B, max_blocks]
+    blocks = tables.view(-1)  # [B * max_blocks]
+    keys = k_cache.index_select(0, blocks).view(len(tables), -1, *k.shape[1:])  # [B, C, KV, D]
+    values = v_cache.index_select(0, blocks).view(len(tables), -1, *v.shape[1:])
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),  # [B, H, Q, D]
         keys.transpose(1, 2),  # [B, KV, C, D]
