@@ -7,13 +7,16 @@ ShareGPT) trains the head on the text it will meet when serving. The output feed
 `aerie train-head --data FILE.jsonl`.
 
 Prompts are the first user turns of the source conversations, skipping the held-out slice that
-`train-head` evaluates on. Writing is resumable: a rerun continues after the last complete record.
+`train-head` evaluates on. They stream through the engine's continuous batching (a finished answer's
+slot goes to the next prompt at once, so the batch never drains to a long answer's tail), and each
+answer is written, in prompt order, as soon as those before it are. Writing is resumable: a rerun
+continues after the last complete record.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -22,6 +25,8 @@ from tqdm import tqdm
 
 from drafting.data import HOLDOUT_EVERY, load_conversations
 from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -34,7 +39,7 @@ class DistillConfig:
     max_prompt_tokens: int = 384  # longer prompts are skipped
     max_tokens: int = 256  # per answer
     temperature: float = 0.0
-    chunk: int = 64  # prompts generated together, then appended to the file
+    max_num_seqs: int = 96  # answers generated at once
     seed: int = 0
 
 
@@ -42,16 +47,56 @@ def distill(config: DistillConfig) -> Path:
     """Append the target's answers to `config.out` until it holds `max_prompts` records."""
     out = Path(config.out)
     done = _complete_records(out)
-    llm = LLM(config.target, draft=None, max_num_seqs=config.chunk)
+    llm = LLM(config.target, draft=None, max_num_seqs=config.max_num_seqs)
     prompts = islice(_first_turns(llm, config), done, config.max_prompts)
     bar = tqdm(total=config.max_prompts, initial=done, desc="distilling answers", unit="answer")
     with out.open("a") as file:
-        while chunk := list(islice(prompts, config.chunk)):
-            file.write("".join(_records(llm, chunk, config, done + bar.n)))
+        for record in _answers(llm.engine, prompts, config, first_index=done):
+            file.write(record)
             file.flush()
-            bar.update(len(chunk))
+            bar.update()
     bar.close()
     return out
+
+
+def _answers(
+    engine: LLMEngine, prompts: Iterable, config: DistillConfig, first_index: int
+) -> Iterator[str]:
+    """JSONL records of the prompts' answers, in prompt order. Twice `max_num_seqs` requests are
+    kept in the engine, so a finished one's slot is taken by the next prompt at once."""
+    prompts = enumerate(prompts, start=first_index)
+    turns: dict[int, list[dict]] = {}  # prompt index -> its messages, until written
+    outputs: dict[int, RequestOutput] = {}  # finished answers not yet written
+    next_index = first_index
+    exhausted = False
+    while True:
+        while not exhausted and len(engine.requests) < 2 * config.max_num_seqs:
+            item = next(prompts, None)
+            if item is None:
+                exhausted = True
+                break
+            index, (turn, ids) = item
+            turns[index] = turn
+            engine.add_request(str(index), ids, _params(config, index))
+        if not engine.has_unfinished_requests():
+            return
+        for delta in engine.step():
+            index = int(delta.request_id)
+            if index in outputs:
+                outputs[index].merge(delta)
+            else:
+                outputs[index] = delta
+        while next_index in outputs and outputs[next_index].finished:
+            answer = outputs.pop(next_index).outputs[0].text
+            messages = [*turns.pop(next_index), {"role": "assistant", "content": answer}]
+            yield json.dumps({"messages": messages}) + "\n"
+            next_index += 1
+
+
+def _params(config: DistillConfig, index: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=config.temperature, max_tokens=config.max_tokens, seed=config.seed + index
+    )
 
 
 def _first_turns(llm: LLM, config: DistillConfig) -> Iterator[tuple[list[dict], list[int]]]:
@@ -65,23 +110,6 @@ def _first_turns(llm: LLM, config: DistillConfig) -> Iterator[tuple[list[dict], 
         ids = llm.apply_chat_template(turn)
         if len(ids) <= config.max_prompt_tokens:
             yield turn, ids
-
-
-def _records(llm: LLM, chunk: list, config: DistillConfig, first_index: int) -> list[str]:
-    params = [
-        SamplingParams(
-            temperature=config.temperature,
-            max_tokens=config.max_tokens,
-            seed=config.seed + first_index + i,
-        )
-        for i in range(len(chunk))
-    ]
-    outputs = llm.generate([ids for _, ids in chunk], params, use_tqdm=False)
-    return [
-        json.dumps({"messages": [*turn, {"role": "assistant", "content": out.outputs[0].text}]})
-        + "\n"
-        for (turn, _), out in zip(chunk, outputs)
-    ]
 
 
 def _complete_records(path: Path) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from drafting.data import HOLDOUT_EVERY, load_conversations
-from drafting.distill import DistillConfig, distill
+from drafting.distill import DistillConfig, _answers, distill
 from engine import LLM, SamplingParams
 from tests.drafting.test_training import write_jsonl
 
@@ -39,3 +39,26 @@ def test_a_rerun_repairs_a_cut_line_and_continues(bigram_target, tmp_path):
     out.write_text("".join(lines[:3]) + lines[3][:10])  # interrupted while writing record 4
     distill(config)
     assert out.read_text() == whole
+
+
+def test_prompts_stream_through_two_slots_and_answers_keep_prompt_order(bigram_target, tmp_path):
+    # Two slots and 16 tokens a step: prompts are admitted as slots free up, long prompts prefill
+    # in chunks beside others' decodes, and each answer is written under its own prompt.
+    lengths = [90, 5, 7, 60, 6, 8, 33]
+    prompts = [([{"role": "user", "content": str(n)}], list(range(3, 3 + n))) for n in lengths]
+    llm = LLM(str(bigram_target), draft=None, max_num_seqs=2, max_num_batched_tokens=16)
+    most_running = []
+    llm.engine.stats_listeners.append(lambda stats: most_running.append(stats.num_running))
+    config = DistillConfig(str(bigram_target), "unused", tmp_path / "unused", max_tokens=6)
+
+    records = [json.loads(r)["messages"] for r in _answers(llm.engine, prompts, config, 0)]
+
+    assert max(most_running) == 2
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    expected = LLM(str(bigram_target), draft=None).generate(
+        [ids for _, ids in prompts], greedy, use_tqdm=False
+    )
+    assert records == [
+        [*turn, {"role": "assistant", "content": out.outputs[0].text}]
+        for (turn, _), out in zip(prompts, expected)
+    ]
