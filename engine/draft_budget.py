@@ -51,8 +51,7 @@ class DraftBudget:
         self.probing = False  # this step drafts to refresh the estimates, not by prediction
         self.verify_scale = 1.0  # real passes' time over the start-up measurement's
         self.expected, self.accepted = 1.0, 1.0  # decayed sums behind the calibration
-        self.value_curve: torch.Tensor | None = None  # [M] mean exp(value) of the m-th best node
-        self.gain_curve = np.zeros(0)  # [M] its running sums: expected tokens of the m best
+        self.value_curve: np.ndarray | None = None  # [M] mean exp(value) of the m-th best node
         self.draft_fit = (0.0, 0.0)  # seconds of drafting = a + b * sequences
         self.draft_times: deque[tuple[int, float]] = deque(maxlen=64)  # (sequences, seconds)
         self.plain_steps = 0  # steps decoded plainly since the last draft
@@ -71,10 +70,11 @@ class DraftBudget:
             self.probing = True
             return self._drafts()
         # trees of the same size for every sequence: 1, 2, ... M nodes
-        nodes = np.arange(1, len(self.gain_curve) + 1)  # [M]
+        gain = self.value_curve.cumsum()  # [M] expected tokens of a sequence's m best nodes
+        nodes = np.arange(1, len(gain) + 1)  # [M]
         drafted_rate = (
             num_decoding
-            * (1 + self.calibration * self.gain_curve)
+            * (1 + self.calibration * gain)
             / (
                 self._seconds(num_pass_tokens + num_decoding * nodes)
                 + self._draft_seconds(num_decoding)
@@ -134,12 +134,11 @@ class DraftBudget:
         return True
 
     def _observe_values(self, probs: torch.Tensor) -> None:
-        mean = probs.mean(0)  # [M]
+        mean = probs.mean(0).numpy()  # [M]
         if self.value_curve is None or len(self.value_curve) != len(mean):
             self.value_curve = mean
         else:
             self.value_curve = _DECAY * self.value_curve + (1 - _DECAY) * mean
-        self.gain_curve = self.value_curve.cumsum(0).numpy()  # expected tokens of the m best
 
     def _seconds(self, num_tokens):
         """Seconds of a pass of `num_tokens` tokens (a number or an array) on this machine now."""

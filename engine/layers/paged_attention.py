@@ -56,9 +56,6 @@ def build_attention_metadata(
     tables = _block_tables(sequences)  # [B, max_blocks]
     num_queries, num_keys = int(num_new.max()), tables.shape[1] * block_size
 
-    context_slots = tables.repeat_interleave(block_size, 1) * block_size + torch.arange(
-        block_size
-    ).repeat(tables.shape[1])  # [B, C] flat cache slot of every key entry
     query_entry = num_cached[:, None] + torch.arange(num_queries)[None, :]  # [B, Q]
     key_entry = torch.arange(num_keys)[None, None, :]  # [1, 1, C]
     mask = (key_entry <= query_entry[:, :, None]) & (key_entry < context_len[:, None, None])
@@ -70,12 +67,11 @@ def build_attention_metadata(
     mask &= valid_query[:, :, None]
     mask[:, :, 0] |= ~valid_query  # padded queries look at one key, so no row is empty (no NaN)
 
-    new_entry = (key_entry[0] >= num_cached[:, None]) & (key_entry[0] < context_len[:, None])
-    slot_mapping = context_slots[new_entry]  # [T], sequence by sequence
+    first_token = torch.cumsum(num_new, 0) - num_new  # [B] flat index of each one's first token
+    slot_mapping = _new_token_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
     query_index = output_index = None
     if len(sequences) > 1:
-        offsets = torch.cumsum(num_new, 0) - num_new  # [B] first flat token of each sequence
-        query_index = torch.where(valid_query, offsets[:, None] + torch.arange(num_queries), 0)
+        query_index = torch.where(valid_query, first_token[:, None] + torch.arange(num_queries), 0)
         flat_rows = torch.arange(len(sequences) * num_queries).view(-1, num_queries)  # [B, Q]
         output_index = flat_rows[valid_query]  # [T]
     return AttentionMetadata(
@@ -85,6 +81,18 @@ def build_attention_metadata(
         query_index=None if query_index is None else query_index.to(device),
         output_index=None if output_index is None else output_index.to(device),
     )
+
+
+def _new_token_slots(
+    tables: torch.Tensor,  # [B, max_blocks]
+    num_cached: torch.Tensor,  # [B]
+    num_new: torch.Tensor,  # [B]
+    first_token: torch.Tensor,  # [B] flat index of each sequence's first new token
+    block_size: int,
+) -> torch.Tensor:  # [T] flat cache slot of each new token, sequence by sequence
+    row = torch.repeat_interleave(torch.arange(len(tables)), num_new)  # [T] its sequence
+    entry = num_cached[row] + torch.arange(len(row)) - first_token[row]  # [T] its key entry
+    return tables[row, entry // block_size] * block_size + entry % block_size
 
 
 def _positions(sequences: list[SequenceAttention], num_queries: int, num_keys: int):
