@@ -84,9 +84,7 @@ class ModelRunner:
             input_ids += ids
             positions += pos
             sequences.append(attention)
-        meta = build_attention_metadata(
-            sequences, self.config.block_size, self.device, self.spec.sliding_window
-        )
+        meta = self._attention_metadata(sequences)
         hidden = self.forward(
             torch.tensor(input_ids, device=self.device),  # [T]
             torch.tensor(positions, device=self.device),  # [T]
@@ -108,16 +106,23 @@ class ModelRunner:
         )
         full, rest = divmod(num_tokens, tokens_per_sequence)
         sizes = [tokens_per_sequence] * full + ([rest] if rest else [])
-        sequences = [SequenceAttention(blocks, context, n) for n in sizes]
-        meta = build_attention_metadata(
-            sequences, block_size, self.device, self.spec.sliding_window
-        )
+        meta = self._attention_metadata([SequenceAttention(blocks, context, n) for n in sizes])
         positions = torch.cat([torch.arange(context, context + n) for n in sizes])  # [T]
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # [T]
         hidden = self.forward(ids, positions.to(self.device), self.kv_cache.layers, meta)
         self.model.compute_logits(hidden)  # [T, vocab]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _attention_metadata(self, sequences: list[SequenceAttention]):
+        # A compiled model keeps one attention group: its graphs must not vary with their number.
+        return build_attention_metadata(
+            sequences,
+            self.config.block_size,
+            self.device,
+            self.spec.sliding_window,
+            group_queries=not self.config.enable_torch_compile,
+        )
 
 
 def _inputs(item: ScheduledSequence, tree: DraftTree | None):

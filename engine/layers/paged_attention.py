@@ -5,8 +5,8 @@ already cached plus the new ones). The metadata says where each new token's K/V 
 (`slot_mapping`) and which blocks each sequence reads (`block_tables`), built once per step
 and shared by every layer. Keys are gathered block by block (whole blocks are contiguous in the
 cache, so the copy runs at memory speed), which pads each sequence's keys to whole blocks; the
-mask hides the padding. Queries are padded per sequence to [B, Q] so that one SDPA call
-serves the whole batch.
+mask hides the padding. Sequences with similar numbers of new tokens form a group whose queries
+are padded to [B, Q] for one SDPA call (see `build_attention_metadata`).
 """
 
 from __future__ import annotations
@@ -35,12 +35,23 @@ class SequenceAttention:
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+class AttentionGroup:
+    """Sequences whose queries are padded together to [B, Q] for one SDPA call."""
+
     block_tables: torch.Tensor  # [B, max_blocks] each sequence's blocks (padding: block 0)
     mask: torch.Tensor  # [B, 1, Q, C] True where a query may attend
-    query_index: torch.Tensor | None  # [B, Q] flat token of each padded query; None when B == 1
-    output_index: torch.Tensor | None  # [T] row of each token in the flattened [B * Q] output
+    # [B, Q] flat token of each padded query; None when the group is the whole step and every
+    # sequence brings Q tokens, so the queries are a view of the step's tokens
+    query_index: torch.Tensor | None
+    output_index: torch.Tensor | None  # [T_g] row of each real query in the [B * Q] output
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    groups: tuple[AttentionGroup, ...]
+    # [T] row of each token in the groups' outputs stacked; None when they are in token order
+    token_order: torch.Tensor | None
 
 
 def build_attention_metadata(
@@ -48,8 +59,66 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     sliding_window: int | None = None,
+    group_queries: bool = True,
 ) -> AttentionMetadata:
-    """Metadata for one step, shared by every layer."""
+    """Metadata for one step, shared by every layer.
+
+    Padding every sequence's queries to the longest one's would make a prefill chunk of 300 tokens
+    cost 300 query rows for each of the decodes beside it (a 64-sequence decode step with one such
+    chunk took 5x the time of the two apart). With `group_queries`, sequences are grouped by their
+    number of new tokens (power-of-two buckets: 1, 2, 3-4, 5-8, ...), one SDPA call per group, so
+    padding at most doubles a group's queries. Without it (torch.compile, whose graphs must not
+    change with the number of groups), one group holds them all.
+    """
+    num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
+    num_new = torch.tensor([s.num_new for s in sequences])  # [B]
+    first_token = torch.cumsum(num_new, 0) - num_new  # [B] flat index of each one's first token
+    tables = _block_tables(sequences)  # [B, max_blocks]
+    slot_mapping = _new_token_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
+    members = _query_groups(num_new.tolist()) if group_queries else [list(range(len(sequences)))]
+    dense = len(members) == 1 and (group_queries or len(sequences) == 1)
+    groups = tuple(
+        _group(
+            [sequences[i] for i in rows],
+            first_token[rows],
+            block_size,
+            device,
+            sliding_window,
+            dense=dense and int(num_new.min()) == int(num_new.max()),
+        )
+        for rows in members
+    )
+    stacked = torch.cat(
+        [
+            torch.arange(first_token[i], first_token[i] + num_new[i])
+            for rows in members
+            for i in rows
+        ]
+    )  # [T] token behind each row of the stacked outputs
+    in_order = bool((stacked == torch.arange(len(stacked))).all())
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        groups=groups,
+        token_order=None if in_order else stacked.argsort().to(device),
+    )
+
+
+def _query_groups(num_new: list[int]) -> list[list[int]]:
+    """Sequence indices per group, by power-of-two bucket of their new tokens, fewest first."""
+    buckets: dict[int, list[int]] = {}
+    for index, count in enumerate(num_new):
+        buckets.setdefault((count - 1).bit_length(), []).append(index)
+    return [buckets[b] for b in sorted(buckets)]
+
+
+def _group(
+    sequences: list[SequenceAttention],
+    first_token: torch.Tensor,  # [B] flat index of each sequence's first new token
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None,
+    dense: bool,
+) -> AttentionGroup:
     num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
     num_new = torch.tensor([s.num_new for s in sequences])  # [B]
     context_len = num_cached + num_new  # [B]
@@ -67,15 +136,12 @@ def build_attention_metadata(
     mask &= valid_query[:, :, None]
     mask[:, :, 0] |= ~valid_query  # padded queries look at one key, so no row is empty (no NaN)
 
-    first_token = torch.cumsum(num_new, 0) - num_new  # [B] flat index of each one's first token
-    slot_mapping = _new_token_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
     query_index = output_index = None
-    if len(sequences) > 1:
+    if not dense:
         query_index = torch.where(valid_query, first_token[:, None] + torch.arange(num_queries), 0)
         flat_rows = torch.arange(len(sequences) * num_queries).view(-1, num_queries)  # [B, Q]
-        output_index = flat_rows[valid_query]  # [T]
-    return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
+        output_index = flat_rows[valid_query]  # [T_g]
+    return AttentionGroup(
         block_tables=tables.to(device),
         mask=mask.unsqueeze(1).to(device),
         query_index=None if query_index is None else query_index.to(device),
@@ -132,25 +198,40 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H * D]
-    num_heads, head_dim = q.shape[1:]
     k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, KV, D]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
+    outputs = [_group_attention(q, k_cache, v_cache, group, scale) for group in meta.groups]
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, H * D] group by group
+    return out if meta.token_order is None else out[meta.token_order]
 
-    # [B, Q, H, D]; a single sequence needs no padding
-    queries = q.unsqueeze(0) if meta.query_index is None else q[meta.query_index]
-    tables = meta.block_tables  # [B, max_blocks]
+
+def _group_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:  # [T_g, H * D] the group's real queries, sequence by sequence
+    num_heads, head_dim = q.shape[1:]
+    tables = group.block_tables  # [B, max_blocks]
+    # [B, Q, H, D]
+    queries = (
+        q.view(len(tables), -1, *q.shape[1:]) if group.query_index is None else q[group.query_index]
+    )
     blocks = tables.view(-1)  # [B * max_blocks]
-    keys = k_cache.index_select(0, blocks).view(len(tables), -1, *k.shape[1:])  # [B, C, KV, D]
-    values = v_cache.index_select(0, blocks).view(len(tables), -1, *v.shape[1:])
+    keys = k_cache.index_select(0, blocks).view(
+        len(tables), -1, *k_cache.shape[2:]
+    )  # [B, C, KV, D]
+    values = v_cache.index_select(0, blocks).view(len(tables), -1, *v_cache.shape[2:])
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),  # [B, H, Q, D]
         keys.transpose(1, 2),  # [B, KV, C, D]
         values.transpose(1, 2),
-        attn_mask=meta.mask,  # [B, 1, Q, C]
+        attn_mask=group.mask,  # [B, 1, Q, C]
         scale=scale,
-        enable_gqa=num_heads != k.shape[1],
+        enable_gqa=num_heads != k_cache.shape[2],
     )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [B * Q, H * D]
-    return out if meta.output_index is None else out[meta.output_index]  # [T, H * D]
+    return out if group.output_index is None else out[group.output_index]

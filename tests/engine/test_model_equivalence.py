@@ -75,16 +75,20 @@ def max_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours - theirs).abs().max())
 
 
-def test_prefill_logits(family) -> None:
-    """Every prefix of the prompt (1..13 tokens) prefilled in one padded batch: the last row of each
+# Longest first, the attention groups (by number of new tokens) run in another order than the
+# sequences, and their outputs are put back in token order.
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_prefill_logits(family, longest_first) -> None:
+    """Every prefix of the prompt (1..13 tokens) prefilled in one batch: the last row of each
     equals transformers' logits at that position."""
     engine, hf = family
     prompt = random_prompt(random.Random(0), PROMPT_LEN)
     expected = hf_logits(hf, prompt)  # [13, vocab]
-    seqs = [new_sequence(prompt[:length]) for length in range(1, PROMPT_LEN + 1)]
+    lengths = range(1, PROMPT_LEN + 1)
+    seqs = [new_sequence(prompt[:n]) for n in (reversed(lengths) if longest_first else lengths)]
     ours = forward(engine, [(seq, seq.num_tokens) for seq in seqs])  # [13, vocab]
     release(engine, seqs)
-    assert max_diff(ours, expected) <= TOLERANCE
+    assert max_diff(ours, expected.flip(0) if longest_first else expected) <= TOLERANCE
 
 
 def test_decode_logits_through_paged_cache(family) -> None:
