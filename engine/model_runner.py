@@ -18,6 +18,10 @@ from engine.scheduler import ScheduledSequence, SchedulerOutput
 
 _BYTES_PER_GIB = 1 << 30
 SYNTHETIC_CONTEXT = 64  # cached entries before the new tokens of a synthetic pass
+# A compiled model runs sequences with more new tokens than this (prefill chunks) in a pass of
+# their own: it pads every sequence of a pass to the longest, and a padded query row costs about
+# as much as a real one.
+_LONG_QUERY = 16
 
 
 @dataclass(frozen=True)
@@ -84,13 +88,7 @@ class ModelRunner:
             input_ids += ids
             positions += pos
             sequences.append(attention)
-        meta = self._attention_metadata(sequences)
-        hidden = self.forward(
-            torch.tensor(input_ids, device=self.device),  # [T]
-            torch.tensor(positions, device=self.device),  # [T]
-            self.kv_cache.layers,
-            meta,
-        )  # [T, hidden]
+        hidden = self._forward_passes(input_ids, positions, sequences, token_rows)  # [T, hidden]
         picked = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         return ForwardOutput(self.model.compute_logits(picked), hidden, token_rows, logits_rows)
 
@@ -113,6 +111,50 @@ class ModelRunner:
         self.model.compute_logits(hidden)  # [T, vocab]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _forward_passes(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        sequences: list[SequenceAttention],
+        token_rows: list[range],
+    ) -> torch.Tensor:  # [T, hidden]
+        """The model over the step's tokens, in one pass or (compiled) several."""
+        passes = self._passes(sequences)
+        if len(passes) == 1:
+            return self._forward(input_ids, positions, sequences)
+        outputs, rows = [], []
+        for members in passes:
+            pass_rows = [r for i in members for r in token_rows[i]]
+            outputs.append(
+                self._forward(
+                    [input_ids[r] for r in pass_rows],
+                    [positions[r] for r in pass_rows],
+                    [sequences[i] for i in members],
+                )
+            )  # [T_p, hidden]
+            rows += pass_rows
+        order = torch.tensor(rows, device=self.device).argsort()  # [T] each token's stacked row
+        return torch.cat(outputs)[order]
+
+    def _passes(self, sequences: list[SequenceAttention]) -> list[list[int]]:
+        """Sequences per forward pass. A compiled model (one attention group, see
+        `_attention_metadata`) runs prefill chunks apart from the decodes, so that decodes are not
+        padded to a chunk's length."""
+        everyone = list(range(len(sequences)))
+        if not self.config.enable_torch_compile:
+            return [everyone]
+        short = [i for i in everyone if sequences[i].num_new <= _LONG_QUERY]
+        long = [i for i in everyone if sequences[i].num_new > _LONG_QUERY]
+        return [members for members in (short, long) if members]
+
+    def _forward(self, input_ids, positions, sequences) -> torch.Tensor:  # [T, hidden]
+        return self.forward(
+            torch.tensor(input_ids, device=self.device),  # [T]
+            torch.tensor(positions, device=self.device),  # [T]
+            self.kv_cache.layers,
+            self._attention_metadata(sequences),
+        )
 
     def _attention_metadata(self, sequences: list[SequenceAttention]):
         # A compiled model keeps one attention group: its graphs must not vary with their number.

@@ -73,7 +73,9 @@ ENGINE_SETUPS = {
     "chunked-prefill": {"max_num_batched_tokens": 8},
     # 32 blocks of 4 tokens hold two of the longest sequences (40 + 24 tokens), not six.
     "preemption": {"block_size": 4, "num_kv_blocks": 32},
-    "torch-compile": {"enable_torch_compile": True},
+    # Two slots: later prompts are prefilled beside others' steps, and the longer ones (over 16
+    # new tokens) in a pass of their own.
+    "torch-compile": {"enable_torch_compile": True, "max_num_seqs": 2},
 }
 
 
@@ -82,6 +84,8 @@ def test_greedy_matches_transformers(setup, generation_model, prompts, reference
     llm = tiny_llm(generation_model, **ENGINE_SETUPS[setup])
     prompt_tokens_per_step: list[int] = []
     llm.engine.stats_listeners.append(lambda s: prompt_tokens_per_step.append(s.num_prompt_tokens))
+    forward, passes = llm.engine.runner.forward, []
+    llm.engine.runner.forward = lambda *args: passes.append(1) or forward(*args)
 
     outputs = generate(llm, prompts, greedy())
 
@@ -94,6 +98,8 @@ def test_greedy_matches_transformers(setup, generation_model, prompts, reference
         assert sum(prompt_tokens_per_step) >= sum(PROMPT_LENGTHS)
     if setup == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+    if setup == "torch-compile":
+        assert len(passes) > len(prompt_tokens_per_step)  # some steps ran two passes
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
