@@ -76,15 +76,20 @@ def build_attention_metadata(
     tables = _block_tables(sequences)  # [B, max_blocks]
     slot_mapping = _new_token_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
     members = _query_groups(num_new.tolist()) if group_queries else [list(range(len(sequences)))]
-    dense = len(members) == 1 and (group_queries or len(sequences) == 1)
+    # The queries are a view of the step's tokens when one group holds sequences of equal query
+    # counts. A compiled model takes that path for a single sequence only, so that one graph
+    # serves every batch of several (equal counts or not).
+    dense = len(members) == 1 and int(num_new.min()) == int(num_new.max())
+    dense &= group_queries or len(sequences) == 1
     groups = tuple(
         _group(
             [sequences[i] for i in rows],
+            tables[rows],
             first_token[rows],
             block_size,
             device,
             sliding_window,
-            dense=dense and int(num_new.min()) == int(num_new.max()),
+            dense,
         )
         for rows in members
     )
@@ -113,6 +118,7 @@ def _query_groups(num_new: list[int]) -> list[list[int]]:
 
 def _group(
     sequences: list[SequenceAttention],
+    tables: torch.Tensor,  # [B, max_blocks of the step]
     first_token: torch.Tensor,  # [B] flat index of each sequence's first new token
     block_size: int,
     device: torch.device,
@@ -122,7 +128,7 @@ def _group(
     num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
     num_new = torch.tensor([s.num_new for s in sequences])  # [B]
     context_len = num_cached + num_new  # [B]
-    tables = _block_tables(sequences)  # [B, max_blocks]
+    tables = tables[:, : max(len(s.block_table) for s in sequences)].contiguous()  # [B, max_blocks]
     num_queries, num_keys = int(num_new.max()), tables.shape[1] * block_size
 
     query_entry = num_cached[:, None] + torch.arange(num_queries)[None, :]  # [B, Q]
