@@ -208,13 +208,14 @@ def paged_attention(
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
-    outputs = [_group_attention(q, k_cache, v_cache, group, scale) for group in meta.groups]
+    outputs = [_group_attention(q, k, k_cache, v_cache, group, scale) for group in meta.groups]
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, H * D] group by group
     return out if meta.token_order is None else out[meta.token_order]
 
 
 def _group_attention(
     q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KV, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
     v_cache: torch.Tensor,
     group: AttentionGroup,
@@ -227,17 +228,15 @@ def _group_attention(
         q.view(len(tables), -1, *q.shape[1:]) if group.query_index is None else q[group.query_index]
     )
     blocks = tables.view(-1)  # [B * max_blocks]
-    keys = k_cache.index_select(0, blocks).view(
-        len(tables), -1, *k_cache.shape[2:]
-    )  # [B, C, KV, D]
-    values = v_cache.index_select(0, blocks).view(len(tables), -1, *v_cache.shape[2:])
+    keys = k_cache.index_select(0, blocks).view(len(tables), -1, *k.shape[1:])  # [B, C, KV, D]
+    values = v_cache.index_select(0, blocks).view(len(tables), -1, *k.shape[1:])
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),  # [B, H, Q, D]
         keys.transpose(1, 2),  # [B, KV, C, D]
         values.transpose(1, 2),
         attn_mask=group.mask,  # [B, 1, Q, C]
         scale=scale,
-        enable_gqa=num_heads != k_cache.shape[2],
+        enable_gqa=num_heads != k.shape[1],  # k's head count is static when compiled
     )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [B * Q, H * D]
     return out if group.output_index is None else out[group.output_index]

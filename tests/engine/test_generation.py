@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters as dynamo_counters
 
 from engine import LLM, RequestOutput, SamplingParams
 from tests.engine.helpers import (
@@ -81,6 +82,7 @@ ENGINE_SETUPS = {
 
 @pytest.mark.parametrize("setup", ENGINE_SETUPS)
 def test_greedy_matches_transformers(setup, generation_model, prompts, references) -> None:
+    dynamo_counters.clear()
     llm = tiny_llm(generation_model, **ENGINE_SETUPS[setup])
     prompt_tokens_per_step: list[int] = []
     llm.engine.stats_listeners.append(lambda s: prompt_tokens_per_step.append(s.num_prompt_tokens))
@@ -100,6 +102,8 @@ def test_greedy_matches_transformers(setup, generation_model, prompts, reference
         assert llm.engine.scheduler.num_preemptions > 0
     if setup == "torch-compile":
         assert len(passes) > len(prompt_tokens_per_step)  # some steps ran two passes
+        # a graph break would leave the model (partly) eager: correct, but slow
+        assert not dynamo_counters["graph_break"]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
