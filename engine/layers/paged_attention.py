@@ -85,6 +85,8 @@ def build_attention_metadata(
         _group(
             [sequences[i] for i in rows],
             tables[rows],
+            num_cached[rows],
+            num_new[rows],
             first_token[rows],
             block_size,
             device,
@@ -93,6 +95,19 @@ def build_attention_metadata(
         )
         for rows in members
     )
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        groups=groups,
+        token_order=_token_order(members, first_token, num_new, device),
+    )
+
+
+def _token_order(
+    members: list[list[int]], first_token: torch.Tensor, num_new: torch.Tensor, device
+) -> torch.Tensor | None:
+    """[T] row of each token in the groups' stacked outputs; None when that is token order."""
+    if len(members) == 1:  # one group holds every sequence, in step order
+        return None
     stacked = torch.cat(
         [
             torch.arange(first_token[i], first_token[i] + num_new[i])
@@ -100,12 +115,9 @@ def build_attention_metadata(
             for i in rows
         ]
     )  # [T] token behind each row of the stacked outputs
-    in_order = bool((stacked == torch.arange(len(stacked))).all())
-    return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        groups=groups,
-        token_order=None if in_order else stacked.argsort().to(device),
-    )
+    if bool((stacked[1:] > stacked[:-1]).all()):  # the groups happen to run in step order
+        return None
+    return stacked.argsort().to(device)
 
 
 def _query_groups(num_new: list[int]) -> list[list[int]]:
@@ -119,14 +131,14 @@ def _query_groups(num_new: list[int]) -> list[list[int]]:
 def _group(
     sequences: list[SequenceAttention],
     tables: torch.Tensor,  # [B, max_blocks of the step]
+    num_cached: torch.Tensor,  # [B]
+    num_new: torch.Tensor,  # [B]
     first_token: torch.Tensor,  # [B] flat index of each sequence's first new token
     block_size: int,
     device: torch.device,
     sliding_window: int | None,
     dense: bool,
 ) -> AttentionGroup:
-    num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
-    num_new = torch.tensor([s.num_new for s in sequences])  # [B]
     context_len = num_cached + num_new  # [B]
     tables = tables[:, : max(len(s.block_table) for s in sequences)].contiguous()  # [B, max_blocks]
     num_queries, num_keys = int(num_new.max()), tables.shape[1] * block_size
