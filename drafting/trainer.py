@@ -4,7 +4,8 @@ Stage 1 runs the target once over the training conversations and caches its feat
 sharded on disk), so the epochs of stage 2 never rerun the target. Stage 2 trains the head with the
 EAGLE recipe (drafting/train.py), checkpointing as it goes (`--resume` continues), and after each
 epoch writes the head in the published EAGLE format and measures its acceptance length with the
-real engine on held-out conversations.
+real engine on held-out conversations. `OUT/head` is the epoch that measured best (a small head
+overfits a small corpus, so the last epoch is not always the best); `OUT/last-head` the latest.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from itertools import islice
@@ -165,8 +167,11 @@ class HeadTrainer:
                     self._checkpoint(head, optimizer, state)
             bar.close()
             state.update(epoch=epoch + 1, batch=0)
+            length = self._evaluate(head, prompts, epoch + 1)
+            if length > state.get("best_acceptance_length", 0.0):
+                shutil.copytree(self.out / "last-head", self.out / "head", dirs_exist_ok=True)
+                state["best_acceptance_length"] = length
             self._checkpoint(head, optimizer, state)
-            self._evaluate(head, prompts, epoch + 1)
         return self.out / "head"
 
     def _step(self, head, optimizer, batch, state, total_steps, bar) -> None:
@@ -231,8 +236,10 @@ class HeadTrainer:
         os.replace(path.with_suffix(".tmp"), path)
 
     def _evaluate(self, head: EagleHead, prompts: list[list[int]], epoch: int) -> float:
-        """Acceptance length of the head as saved, with the real engine, on held-out prompts."""
-        folder = save_head(head, self.out / "head", _rope_fields(self.hf_config), torch.float16)
+        """Save the head to OUT/last-head, and measure its acceptance length with the real
+        engine on held-out prompts."""
+        rope = _rope_fields(self.hf_config)
+        folder = save_head(head, self.out / "last-head", rope, torch.float16)
         # whole trees every step: the head's acceptance, not what a draft budget chose to verify
         llm = LLM(
             self.config.target, draft=str(folder), num_kv_blocks=256, adaptive_draft_budget=False

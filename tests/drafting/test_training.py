@@ -113,6 +113,13 @@ def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
     assert sorted((tmp_path / "run" / "features").glob("shard-*.safetensors")) == shards
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     assert saved["state"]["epoch"] == 2
+    # OUT/head is the epoch that measured best, OUT/last-head the latest
+    first, second = [r["acceptance_length"] for r in log if "acceptance_length" in r]
+    best_is_last = (head / "model.safetensors").read_bytes() == (
+        tmp_path / "run" / "last-head" / "model.safetensors"
+    ).read_bytes()
+    assert best_is_last == (second > first)
+    assert saved["state"]["best_acceptance_length"] == max(first, second)
 
 
 def test_a_reduced_vocabulary_head_is_trained_on_its_tokens(bigram_target, tmp_path):
