@@ -18,9 +18,9 @@ from engine.scheduler import ScheduledSequence, SchedulerOutput
 
 _BYTES_PER_GIB = 1 << 30
 SYNTHETIC_CONTEXT = 64  # cached entries before the new tokens of a synthetic pass
-# A compiled model runs sequences with more new tokens than this (prefill chunks) in a pass of
-# their own: it pads every sequence of a pass to the longest, and a padded query row costs about
-# as much as a real one.
+# A compiled model runs each sequence with more new tokens than this (a prefill chunk) in a pass
+# of its own: it pads every sequence of a pass to the longest, and a padded query row costs about
+# as much as a real one, while a pass's extra read of the weights is small beside a chunk's compute.
 _LONG_QUERY = 16
 
 
@@ -139,14 +139,14 @@ class ModelRunner:
 
     def _passes(self, sequences: list[SequenceAttention]) -> list[list[int]]:
         """Sequences per forward pass. A compiled model (one attention group, see
-        `_attention_metadata`) runs prefill chunks apart from the decodes, so that decodes are not
-        padded to a chunk's length."""
+        `_attention_metadata`) runs each prefill chunk in a pass of its own, so that neither the
+        decodes nor a shorter chunk are padded to a chunk's length."""
         everyone = list(range(len(sequences)))
         if not self.config.enable_torch_compile:
             return [everyone]
         short = [i for i in everyone if sequences[i].num_new <= _LONG_QUERY]
-        long = [i for i in everyone if sequences[i].num_new > _LONG_QUERY]
-        return [members for members in (short, long) if members]
+        long = [[i] for i in everyone if sequences[i].num_new > _LONG_QUERY]
+        return [short, *long] if short else long
 
     def _forward(self, input_ids, positions, sequences) -> torch.Tensor:  # [T, hidden]
         return self.forward(
