@@ -8,11 +8,12 @@ the bonus token is sampled from the residual; if one is accepted, the walk desce
 leaf the bonus is sampled from p. Summed over the walk, each token's chance of being emitted is
 exactly p(token): the draft changes speed, never the output. For greedy requests p is one-hot, so
 this is "accept the child equal to the target's argmax".
+
+The walk visits one node at a time, so the target's distribution is only needed at the nodes it
+reaches (drafting/eagle_drafter.py computes those rows of the lm_head as the walk goes).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -20,52 +21,34 @@ from engine.draft_tree import DraftTree
 from engine.logits_processing import sample_from
 
 
-@dataclass(frozen=True)
-class Acceptance:
-    accepted_nodes: list[int]  # draft nodes on the accepted path, root excluded, in order
-    bonus_token: int  # sampled from the target at the last accepted node (or the root)
-    last_node: int  # the node the bonus was sampled at (0: the root)
-
-
-def accept_tree(
+def accept_at_node(
     tree: DraftTree,
-    probs: torch.Tensor,  # [1 + N, vocab] target distribution at each node of `tree`
+    children: list[int],  # the node's children, best draft value first
+    p: torch.Tensor,  # [vocab] the target's distribution at the node
     generator: torch.Generator | None,
-) -> Acceptance:
-    children = tree.children()
-    accepted: list[int] = []
-    node = 0
-    while True:
-        p = probs[node]  # [vocab]
-        mass = float(p.sum())  # of the residual: what rejected children have not taken
-        rejected: list[int] = []
-        for child in children[node]:
-            token = tree.tokens[child]
-            p_token = float(p[token])
-            if _uniform(p.device, generator) * mass < p_token:  # probability p(x) / mass
-                accepted.append(child)
-                node = child
-                break
-            rejected.append(token)
-            mass -= p_token
-        else:
-            residual = p.clone()
-            residual[rejected] = 0.0
-            return Acceptance(accepted, _sample_residual(residual, p, generator), node)
+) -> tuple[int | None, int | None]:
+    """One node of the walk: (the accepted child, None), or (None, the bonus token) when every
+    child is rejected (a leaf has none), the bonus sampled from the residual."""
+    mass = float(p.sum())  # of the residual: what rejected children have not taken
+    rejected: list[int] = []
+    for child in children:
+        token = tree.tokens[child]
+        p_token = float(p[token])
+        if _uniform(p.device, generator) * mass < p_token:  # probability p(x) / mass
+            return child, None
+        rejected.append(token)
+        mass -= p_token
+    residual = p.clone()
+    residual[rejected] = 0.0
+    return None, _sample_residual(residual, p, generator)
 
 
-def accept_greedy(tree: DraftTree, argmax_tokens: list[int]) -> Acceptance:
-    """The same rule for one-hot p: descend while a child equals the target's argmax."""
-    children = tree.children()
-    accepted: list[int] = []
-    node = 0
-    while True:
-        target = argmax_tokens[node]
-        match = next((c for c in children[node] if tree.tokens[c] == target), None)
-        if match is None:
-            return Acceptance(accepted, target, node)
-        accepted.append(match)
-        node = match
+def accept_at_node_greedy(
+    tree: DraftTree, children: list[int], argmax_token: int
+) -> tuple[int | None, int | None]:
+    """The same rule for one-hot p: accept the child equal to the target's argmax, if any."""
+    match = next((c for c in children if tree.tokens[c] == argmax_token), None)
+    return (match, None) if match is not None else (None, argmax_token)
 
 
 def _uniform(device: torch.device, generator: torch.Generator | None) -> float:

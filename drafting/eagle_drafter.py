@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafting.acceptance import accept_greedy, accept_tree
+from drafting.acceptance import accept_at_node, accept_at_node_greedy
 from drafting.head import EagleHead
 from drafting.tree import ROOT, Candidates, rerank
 from engine.draft_budget import DraftBudget
@@ -27,6 +27,7 @@ from engine.drafter import Accepted, logits_context, sample_one_each
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.layers.weight_layout import column_major
 from engine.logits_processing import apply_penalties, target_probabilities, token_logprobs
+from engine.model_runner import ForwardOutput
 from engine.models.decoder import DecoderModel
 from engine.outputs import TokenLogprob
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -206,23 +207,22 @@ class EagleDrafter:
         self,
         seqs: list[Sequence],
         trees: list[DraftTree | None],
-        logits: torch.Tensor,
-        rows: list[list[int]],
+        verified: ForwardOutput,
+        logits_rows: list[int],
+        token_rows: list[range],
     ) -> list[Accepted]:
         results: list[Accepted | None] = [None] * len(seqs)
         plain = [i for i, tree in enumerate(trees) if tree is None]
-        for i, accepted in zip(
-            plain, sample_one_each([seqs[i] for i in plain], logits, [rows[i][0] for i in plain])
-        ):
+        sampled = sample_one_each(
+            [seqs[i] for i in plain], verified.logits, [logits_rows[i] for i in plain]
+        )
+        for i, accepted in zip(plain, sampled):
             results[i] = accepted
         drafted = [i for i, tree in enumerate(trees) if tree is not None]
-        if drafted:
-            node_logits = logits[[r for i in drafted for r in rows[i]]]  # [R, vocab]
-            verdicts = _accept_trees(
-                [seqs[i] for i in drafted], [trees[i] for i in drafted], node_logits
-            )
-            for i, accepted in zip(drafted, verdicts):
-                results[i] = accepted
+        walks = [_Walk(seqs[i], trees[i], token_rows[i].start) for i in drafted]
+        root_logits = verified.logits[[logits_rows[i] for i in drafted]]  # [D, vocab]
+        for i, accepted in zip(drafted, _walk_trees(walks, root_logits, verified)):
+            results[i] = accepted
         return results
 
     # ------------------------------------------------------------------ commit
@@ -241,60 +241,92 @@ def _best_values(candidates: Candidates, num_keep: list[int]) -> torch.Tensor:
     return ranked.masked_fill(ranks >= limit, float("-inf")).cpu()
 
 
-def _accept_trees(
-    seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor
-) -> list[Accepted]:
-    """Walk each tree. logits: [R, vocab] raw target logits at every node, tree after tree. The
-    target distributions of all nodes are computed in one batch, then each walk reads its rows."""
-    sizes = [tree.num_nodes for tree in trees]
-    params = [seq.request.params for seq, n in zip(seqs, sizes) for _ in range(n)]
-    processed = _penalised(seqs, trees, logits)
-    greedy = all(p.greedy for p in params)
-    probs = None if greedy else target_probabilities(processed, params)  # [R, vocab]
-    argmax = processed.argmax(dim=-1).tolist()
-    results, start = [], 0
-    for seq, tree, size in zip(seqs, trees, sizes):
-        if seq.request.params.greedy:
-            walk = accept_greedy(tree, argmax[start : start + size])
+@dataclass
+class _Walk:
+    """One sequence's acceptance walk down its tree, a node per level."""
+
+    seq: Sequence
+    tree: DraftTree
+    root_row: int  # the root's row of the verify pass's hidden states (node n: root_row + n)
+    node: int = 0  # where the walk stands
+    accepted: list[int] = field(default_factory=list)  # accepted nodes, in order
+    raw_logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] at each node visited
+    bonus: int | None = None  # set when the walk ends
+    children: list[list[int]] = field(init=False)  # of every node, best draft value first
+
+    def __post_init__(self) -> None:
+        self.children = self.tree.children()
+
+    @property
+    def params(self):
+        return self.seq.request.params
+
+    def step(self, raw: torch.Tensor, argmax: int, probs: torch.Tensor | None) -> bool:
+        """Decide at the current node from its target distribution; True if the walk goes on."""
+        if self.params.logprobs is not None:
+            self.raw_logits.append(raw)
+        children = self.children[self.node]
+        if self.params.greedy:
+            child, self.bonus = accept_at_node_greedy(self.tree, children, argmax)
         else:
-            walk = accept_tree(tree, probs[start : start + size], seq.generator)
-        tokens = [tree.tokens[n] for n in walk.accepted_nodes] + [walk.bonus_token]
-        logprobs = _emitted_logprobs(seq, tokens, walk.accepted_nodes, logits[start : start + size])
-        results.append(Accepted(tokens, logprobs, walk.accepted_nodes))
-        start += size
-    return results
+            child, self.bonus = accept_at_node(self.tree, children, probs, self.seq.generator)
+        if child is None:
+            return False
+        self.accepted.append(child)
+        self.node = child
+        return True
+
+    def result(self) -> Accepted:
+        tokens = [self.tree.tokens[n] for n in self.accepted] + [self.bonus]
+        return Accepted(tokens, _emitted_logprobs(self, tokens), self.accepted)
 
 
-def _penalised(seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor):
-    """Penalties, bias and bans for the nodes of the trees whose requests ask for them; each node
-    is conditioned on its own path."""
-    processed, start = logits, 0
-    for seq, tree in zip(seqs, trees):
-        params = seq.request.params
+def _walk_trees(
+    walks: list[_Walk], root_logits: torch.Tensor, verified: ForwardOutput
+) -> list[Accepted]:
+    """Walk every tree, level by level: the target logits of the nodes reached at one level are
+    computed in one batch (root_logits: [W, vocab] raw, at each root), and no other node's are."""
+    active, logits = walks, root_logits  # logits: [A, vocab] at each active walk's node
+    while active:
+        processed = _penalised(active, logits)
+        params = [walk.params for walk in active]
+        greedy = all(p.greedy for p in params)
+        probs = None if greedy else target_probabilities(processed, params)  # [A, vocab]
+        argmax = processed.argmax(dim=-1).tolist()
+        active = [
+            walk
+            for i, walk in enumerate(active)
+            if walk.step(logits[i], argmax[i], None if probs is None else probs[i])
+        ]
+        if active:
+            logits = verified.node_logits([walk.root_row + walk.node for walk in active])
+    return [walk.result() for walk in walks]
+
+
+def _penalised(walks: list[_Walk], logits: torch.Tensor) -> torch.Tensor:
+    """Penalties, bias and bans, for the walks whose requests ask for them; each node is
+    conditioned on its own path. logits: [A, vocab] raw, at each walk's node."""
+    processed = logits
+    for i, walk in enumerate(walks):
+        params, seq = walk.params, walk.seq
         needs = (
             params.has_penalties or params.logit_bias or seq.num_output_tokens < params.min_tokens
         )
         if needs:
             if processed is logits:
                 processed = logits.clone()
-            contexts = [
-                logits_context(seq, [tree.tokens[n] for n in tree.path_to(node)])
-                for node in range(tree.num_nodes)
-            ]
-            apply_penalties(processed[start : start + tree.num_nodes], contexts)
-        start += tree.num_nodes
+            path = [walk.tree.tokens[n] for n in walk.accepted]
+            apply_penalties(processed[i : i + 1], [logits_context(seq, path)])
     return processed
 
 
-def _emitted_logprobs(
-    seq: Sequence, tokens: list[int], nodes: list[int], logits: torch.Tensor
-) -> list[TokenLogprob | None]:
-    """Raw target logprobs of the emitted tokens: token j comes from row [0, *nodes][j]."""
-    wanted = seq.request.params.logprobs
+def _emitted_logprobs(walk: _Walk, tokens: list[int]) -> list[TokenLogprob | None]:
+    """Raw target logprobs of the emitted tokens: token j comes from the j-th node visited."""
+    wanted = walk.params.logprobs
     if wanted is None:
         return [None] * len(tokens)
-    rows = [0, *nodes]
-    chosen, values, ids = token_logprobs(logits[rows], torch.tensor(tokens), wanted)
+    logits = torch.stack(walk.raw_logits)  # [len(tokens), vocab]
+    chosen, values, ids = token_logprobs(logits, torch.tensor(tokens), wanted)
     return [
         TokenLogprob(t, c, tuple(zip(i, v)))
         for t, c, i, v in zip(tokens, chosen.tolist(), ids.tolist(), values.tolist())

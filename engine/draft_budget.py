@@ -6,8 +6,9 @@ c * exp(v) is the number of tokens the node is expected to add; the calibration 
 over tokens expected, measured as the engine runs) corrects a head that is over- or
 under-confident. A step with B decoding sequences and T0 scheduled tokens (their roots, plus any
 prefill chunks) that verifies N draft nodes emits B + E(N) tokens, E(N) the sum of the N values
-kept, in cost(T0 + N) seconds: the verify cost measured at start-up (engine/verify_cost.py),
-scaled by how long the real passes take against it. The budget keeps the N nodes of highest
+kept, in cost(T0 + N) + r * E(N) seconds: the verify cost measured at start-up
+(engine/verify_cost.py), scaled by how long the real passes take against it, plus the lm_head row
+r that the acceptance walk spends on each node it accepts. The budget keeps the N nodes of highest
 value across all sequences, with N maximising that rate; N = 0 is plain decoding. A child's value
 never exceeds its parent's, so each sequence's kept nodes form a tree.
 
@@ -72,11 +73,12 @@ class DraftBudget:
         # trees of the same size for every sequence: 1, 2, ... M nodes
         gain = self.value_curve.cumsum()  # [M] expected tokens of a sequence's m best nodes
         nodes = np.arange(1, len(gain) + 1)  # [M]
+        accepted = num_decoding * self.calibration * gain  # [M] expected accepted drafts
         drafted_rate = (
-            num_decoding
-            * (1 + self.calibration * gain)
+            (num_decoding + accepted)
             / (
                 self._seconds(num_pass_tokens + num_decoding * nodes)
+                + self._walk_seconds(accepted)
                 + self._draft_seconds(num_decoding)
             )
         ).max(initial=0.0)
@@ -97,7 +99,9 @@ class DraftBudget:
         order = order[flat[order] > 0]  # [K] the nodes that may be kept
         expected = np.concatenate([[0.0], flat[order].cumsum(0).numpy()])  # [K + 1] E(N)
         num_nodes = np.arange(len(expected))  # [K + 1] N
-        rate = (batch + expected) / self._seconds(num_pass_tokens + num_nodes)
+        rate = (batch + expected) / (
+            self._seconds(num_pass_tokens + num_nodes) + self._walk_seconds(expected)
+        )
         best = int(rate.argmax())  # the first maximum: ties go to fewer nodes
         counts = torch.bincount(order[:best] // width, minlength=batch)
         if self.probing:  # back off while probes find nothing worth verifying
@@ -143,6 +147,10 @@ class DraftBudget:
     def _seconds(self, num_tokens):
         """Seconds of a pass of `num_tokens` tokens (a number or an array) on this machine now."""
         return np.maximum(self.verify_cost(num_tokens) * self.verify_scale, 1e-9)
+
+    def _walk_seconds(self, num_accepted):
+        """Seconds the acceptance walk spends on the lm_head rows of `num_accepted` nodes."""
+        return self.verify_cost.logits_row_seconds * self.verify_scale * num_accepted
 
     def _draft_seconds(self, num_sequences: int) -> float:
         intercept, slope = self.draft_fit

@@ -15,6 +15,7 @@ import torch
 
 from engine.draft_tree import DraftTree
 from engine.logits_processing import LogitsContext
+from engine.model_runner import ForwardOutput
 from engine.outputs import TokenLogprob
 from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
@@ -41,11 +42,13 @@ class Drafter(Protocol):
         self,
         seqs: list[Sequence],
         trees: list[DraftTree | None],
-        logits: torch.Tensor,
-        rows: list[list[int]],
+        verified: ForwardOutput,
+        logits_rows: list[int],
+        token_rows: list[range],
     ) -> list[Accepted]:
-        """Tokens each sequence keeps. logits: [R, vocab] raw target logits; rows[i] are the rows
-        of seqs[i]'s tree nodes (one row when it has no tree). Changes no sequence."""
+        """Tokens each sequence keeps. seqs[i]'s raw target logits are row logits_rows[i] of
+        `verified.logits` (its last token's, or its tree's root's); node n of its tree is row
+        token_rows[i][n] of `verified.hidden`. Changes no sequence."""
         ...
 
     def commit(self, seq: Sequence, features: torch.Tensor) -> None:
@@ -65,10 +68,11 @@ class AutoregressiveDrafter:
         self,
         seqs: list[Sequence],
         trees: list[DraftTree | None],
-        logits: torch.Tensor,
-        rows: list[list[int]],
+        verified: ForwardOutput,
+        logits_rows: list[int],
+        token_rows: list[range],
     ) -> list[Accepted]:
-        return sample_one_each(seqs, logits, [r[0] for r in rows])
+        return sample_one_each(seqs, verified.logits, logits_rows)
 
     def commit(self, seq: Sequence, features: torch.Tensor) -> None:
         pass

@@ -45,7 +45,7 @@ class _Verdict:
 
     seq: Sequence
     tree: DraftTree | None
-    logits_rows: list[int]
+    logits_row: int  # of the verify pass's logits: its last token's, or its tree root's
     token_rows: range
     accepted: Accepted | None = None
     num_emitted: int = 0  # accepted tokens actually appended (a stop cuts the rest)
@@ -247,18 +247,19 @@ class LLMEngine:
     ) -> list[_Verdict]:
         """Decide each sampling sequence's new tokens; an n > 1 request forks its choices here."""
         verdicts: list[_Verdict] = []
-        for item, rows, token_rows in zip(
+        for item, row, token_rows in zip(
             batch.scheduled, verified.logits_rows, verified.token_rows
         ):
-            if rows:
+            if row is not None:
                 tree = trees.get(item.seq.seq_id)
                 for member in [item.seq, *self._fork_pending_choices(item.seq)]:
-                    verdicts.append(_Verdict(member, tree, rows, token_rows))
+                    verdicts.append(_Verdict(member, tree, row, token_rows))
         decisions = self.drafter.accept(
             [v.seq for v in verdicts],
             [v.tree for v in verdicts],
-            verified.logits,
-            [v.logits_rows for v in verdicts],
+            verified,
+            [v.logits_row for v in verdicts],
+            [v.token_rows for v in verdicts],
         )
         for verdict, decision in zip(verdicts, decisions):
             verdict.accepted = decision

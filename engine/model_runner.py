@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +28,20 @@ _LONG_QUERY = 16
 @dataclass(frozen=True)
 class ForwardOutput:
     """One verify pass. Rows of `hidden` follow the scheduled tokens in order; `logits` has a row
-    per sampled position: a sampling sequence's last token, or every node of its draft tree."""
+    per sampling sequence: its last token's, or its draft tree's root's. The logits of a tree's
+    other nodes are computed on demand (`node_logits`): an acceptance walk reads only the nodes it
+    reaches, and on a CPU every row of the lm_head costs (113 MB of fp32 weights for the default
+    model, about a tenth of a one-token pass per row)."""
 
     logits: torch.Tensor  # [R, vocab] float32
     hidden: torch.Tensor  # [T, hidden] final features of every computed token
-    token_rows: list[range]  # per scheduled sequence: its rows of `hidden`
-    logits_rows: list[list[int]]  # per scheduled sequence: its rows of `logits` (empty: none)
+    token_rows: list[range]  # per scheduled sequence: its rows of `hidden` (a tree's: its nodes)
+    logits_rows: list[int | None]  # per scheduled sequence: its row of `logits` (None: none)
+    lm_head: Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] -> [N, vocab] float32
+
+    @torch.inference_mode()
+    def node_logits(self, hidden_rows: list[int]) -> torch.Tensor:  # [N, vocab] float32
+        return self.lm_head(self.hidden[torch.tensor(hidden_rows, device=self.hidden.device)])
 
 
 class ModelRunner:
@@ -75,28 +84,32 @@ class ModelRunner:
         self.kv_cache.copy_blocks(batch.block_copies)
         input_ids: list[int] = []
         positions: list[int] = []
-        sample_rows: list[int] = []  # rows of `hidden` whose logits are needed
+        sample_rows: list[int] = []  # rows of `hidden` whose logits are computed now
         sequences, token_rows, logits_rows = [], [], []
         for item in batch.scheduled:
             tree = trees.get(item.seq.seq_id)
             ids, pos, attention = _inputs(item, tree)
             rows = range(len(input_ids), len(input_ids) + len(ids))
-            sampled = list(rows) if tree else [rows[-1]] if item.samples else []
             token_rows.append(rows)
-            logits_rows.append(list(range(len(sample_rows), len(sample_rows) + len(sampled))))
-            sample_rows += sampled
+            if tree or item.samples:
+                logits_rows.append(len(sample_rows))
+                sample_rows.append(rows[0] if tree else rows[-1])  # a tree's root comes first
+            else:
+                logits_rows.append(None)
             input_ids += ids
             positions += pos
             sequences.append(attention)
         hidden = self._forward_passes(input_ids, positions, sequences, token_rows)  # [T, hidden]
         picked = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
-        return ForwardOutput(self.model.compute_logits(picked), hidden, token_rows, logits_rows)
+        logits = self.model.compute_logits(picked)  # [R, vocab]
+        return ForwardOutput(logits, hidden, token_rows, logits_rows, self.model.compute_logits)
 
     @torch.inference_mode()
     def synthetic_pass(self, num_tokens: int, tokens_per_sequence: int) -> None:
         """A verify-shaped pass over junk tokens, to measure its cost: sequences of
-        `tokens_per_sequence` new tokens after a short context, logits on every row. Every
-        sequence reads and writes the same scratch blocks, so only use it while nothing runs."""
+        `tokens_per_sequence` new tokens after a short context, logits on each one's first row
+        (its root). Every sequence reads and writes the same scratch blocks, so only use it while
+        nothing runs."""
         block_size = self.config.block_size
         context = max(0, min(SYNTHETIC_CONTEXT, self.num_blocks * block_size - tokens_per_sequence))
         blocks = list(
@@ -108,7 +121,16 @@ class ModelRunner:
         positions = torch.cat([torch.arange(context, context + n) for n in sizes])  # [T]
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # [T]
         hidden = self.forward(ids, positions.to(self.device), self.kv_cache.layers, meta)
-        self.model.compute_logits(hidden)  # [T, vocab]
+        self.model.compute_logits(hidden[::tokens_per_sequence])  # [B, vocab]
+        self._synchronize()
+
+    @torch.inference_mode()
+    def logits_row_pass(self) -> None:
+        """The lm_head over one row: what an acceptance walk spends on each node it reaches."""
+        self.model.compute_logits(self.model.embed_tokens.weight[:1])  # [1, vocab]
+        self._synchronize()
+
+    def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -1,9 +1,10 @@
 """VerifyCost: how long one target pass takes against the number of tokens in it.
 
 Measured once at start-up on decode-shaped passes (sequences of `tokens_per_sequence` new tokens
-over a short context, logits on every row, as a verify pass of draft trees computes), at powers of
-two up to the largest pass the scheduler can build. The draft budget (engine/draft_budget.py)
-weighs extra draft tokens against it.
+over a short context, logits on each one's root, as a verify pass of draft trees computes), at
+powers of two up to the largest pass the scheduler can build, plus the lm_head over one row, which
+the acceptance walk spends on each draft node it accepts. The draft budget
+(engine/draft_budget.py) weighs extra draft tokens against them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -19,6 +21,7 @@ import numpy as np
 class VerifyCost:
     num_tokens: tuple[int, ...]  # increasing, the first is 1
     seconds: tuple[float, ...]  # time of a pass with that many tokens
+    logits_row_seconds: float = 0.0  # the lm_head over one more row
 
     def __call__(self, num_tokens):
         """Seconds for a pass of `num_tokens` tokens (a number, or an array of them: then an
@@ -38,15 +41,21 @@ def measure_verify_cost(
     Uses the KV cache as scratch, so call it before any request is scheduled."""
     points = sorted({2**i for i in range(int(math.log2(max(2, max_tokens))) + 1)} | {max_tokens})
     runner.synthetic_pass(points[-1], tokens_per_sequence)  # warm-up: allocations, kernels
-    seconds = []
-    for num_tokens in points:
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            runner.synthetic_pass(num_tokens, tokens_per_sequence)
-            times.append(time.perf_counter() - started)
-        seconds.append(min(times))
-    return VerifyCost(tuple(points), tuple(_non_decreasing(seconds)))
+    seconds = [
+        _fastest(partial(runner.synthetic_pass, n, tokens_per_sequence), repeats) for n in points
+    ]
+    row = _fastest(runner.logits_row_pass, repeats + 1)  # the first warms up
+    return VerifyCost(tuple(points), tuple(_non_decreasing(seconds)), row)
+
+
+def _fastest(run, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of `run`."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
 
 
 def _non_decreasing(values: list[float]) -> list[float]:

@@ -16,7 +16,6 @@ import torch
 import transformers
 
 import drafting.eagle_drafter
-from drafting.acceptance import Acceptance
 from engine import LLM, SamplingParams
 from engine.logits_processing import target_probabilities
 from engine.verify_cost import VerifyCost
@@ -152,23 +151,17 @@ def test_trees_cut_by_the_adaptive_budget_stay_lossless(small_vocab):
     assert 0 in budgets, "some steps should decode plainly"
 
 
-def accept_with_draft_probability(tree, probs, generator):
+def accept_with_draft_probability(tree, children, p, generator):
     """A broken rule: accepts a child with its draft probability q instead of the target's p."""
-    children, node, accepted = tree.children(), 0, []
-    while True:
-        for child in children[node]:
-            q = math.exp(tree.values[child] - tree.values[node])
-            if float(torch.rand((), generator=generator)) < q:
-                accepted.append(child)
-                node = child
-                break
-        else:
-            bonus = int(torch.multinomial(probs[node], 1, generator=generator))
-            return Acceptance(accepted, bonus, node)
+    for child in children:
+        q = math.exp(tree.values[child] - tree.values[tree.parents[child]])
+        if float(torch.rand((), generator=generator)) < q:
+            return child, None
+    return None, int(torch.multinomial(p, 1, generator=generator))
 
 
 def test_the_check_catches_a_broken_acceptance_rule(small_vocab, monkeypatch):
-    monkeypatch.setattr(drafting.eagle_drafter, "accept_tree", accept_with_draft_probability)
+    monkeypatch.setattr(drafting.eagle_drafter, "accept_at_node", accept_with_draft_probability)
     setting = SETTINGS["temperature 1"]
     expected = exact_distribution(small_vocab["target"], setting)
     counts = sampled_counts(small_vocab["target"], small_vocab["trained"], setting)

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
+from engine.model_runner import ForwardOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 NEAR_TIE = 1e-4
@@ -139,6 +140,28 @@ def test_logprobs_and_stops_match_plain_decoding(bigram_target, trained_head):
     assert plain[0].outputs[0].token_ids == speculative[0].outputs[0].token_ids
     assert speculative[0].outputs[0].finish_reason == "stop"
     assert speculative[0].outputs[0].token_ids[-1] == stop_token
+
+
+def test_the_lm_head_runs_only_on_the_tree_nodes_the_walks_reach(
+    bigram_target, trained_head, monkeypatch
+):
+    """Beyond each tree's root, whose logits the verify pass computes, the acceptance walk
+    computes the target's logits at exactly the nodes it accepts (to decide their children or
+    sample the bonus there), not at every verified node."""
+    node_rows = []
+    node_logits = ForwardOutput.node_logits
+    monkeypatch.setattr(
+        ForwardOutput,
+        "node_logits",
+        lambda self, rows: node_rows.append(len(rows)) or node_logits(self, rows),
+    )
+    prompts = mixed_prompts(6, seed=5)
+    _, outputs = generate(bigram_target, trained_head, prompts, num_kv_blocks=1024)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outputs)
+    verified = sum(o.metrics.num_draft_tokens for o in outputs)
+    assert 0 < accepted < verified
+    assert sum(node_rows) == accepted
+    assert max(node_rows) > 1  # the walks of a level share one lm_head call
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(bigram_target, trained_head):
