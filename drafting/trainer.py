@@ -26,8 +26,9 @@ from tqdm import tqdm
 
 from drafting.data import HOLDOUT_EVERY, load_conversations, tokenize_conversation
 from drafting.features import target_features
-from drafting.head import EagleHead, HeadSpec, save_head
+from drafting.head import EagleHead, HeadSpec, load_head, save_head
 from drafting.train import TrainingExample, head_losses
+from engine.errors import AerieError
 from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -51,8 +52,14 @@ class TrainConfig:
     eval_conversations: int = 16
     eval_max_tokens: int = 64
     draft_vocab_size: int = 0  # > 0: the head proposes only the most frequent assistant tokens
+    unroll_steps: int = 1  # > 1: also train on the head's own predictions (drafting depths 2..)
+    init_head: str | None = None  # start from this head's weights (and its draft vocabulary)
     resume: bool = False
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.unroll_steps < 1:
+            raise AerieError(f"--unroll-steps must be at least 1, got {self.unroll_steps}")
 
 
 class HeadTrainer:
@@ -140,9 +147,12 @@ class HeadTrainer:
     # ------------------------------------------------------------------ stage 2
     def train(self, shards: list[Path]) -> Path:
         examples = [e for shard in shards for e in _read_shard(shard)]
-        head = self._new_head()
-        if self.config.draft_vocab_size:
-            head.draft_vocab = frequent_tokens(examples, self.config.draft_vocab_size)
+        if self.config.init_head:
+            head = self._initial_head(self.config.init_head)
+        else:
+            head = self._new_head()
+            if self.config.draft_vocab_size:
+                head.draft_vocab = frequent_tokens(examples, self.config.draft_vocab_size)
         optimizer = torch.optim.AdamW(head.parameters(), lr=self.config.lr, weight_decay=0.0)
         steps_per_epoch = max(
             1, sum(len(e.token_ids) for e in examples) // self.config.batch_tokens
@@ -178,7 +188,9 @@ class HeadTrainer:
         started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(self.config, state["step"], total_steps)
-        loss, parts = head_losses(head, self.target, batch, self.config.noise)
+        loss, parts = head_losses(
+            head, self.target, batch, self.config.noise, self.config.unroll_steps
+        )
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), self.config.grad_clip)
@@ -189,7 +201,7 @@ class HeadTrainer:
         bar.set_postfix(
             feature=f"{parts.feature:.3f}",
             token=f"{parts.token:.2f}",
-            acc=f"{parts.accuracy:.2f}",
+            acc="/".join(f"{a:.2f}" for a in parts.accuracy),
             tok_per_s=f"{tokens / (time.perf_counter() - started):.0f}",
         )
         self._log({"step": state["step"], **asdict(parts)})
@@ -211,6 +223,17 @@ class HeadTrainer:
         inv_freq, scaling = rope_inverse_frequencies(self.hf_config, spec.head_dim)
         rotary = RotaryEmbedding(inv_freq, scaling, self.llm.engine.max_model_len)
         return EagleHead(head_spec, rotary).to(self.target.lm_head.weight.device).train()
+
+    def _initial_head(self, path: str) -> EagleHead:
+        """A trainable copy of the head in `path`, checked against the target like any head."""
+        head = load_head(
+            path,
+            self.llm.engine.spec,
+            self.llm.engine.max_model_len,
+            self.target.lm_head.weight.device,
+            self.target.lm_head.weight.dtype,
+        )
+        return head.train()
 
     def _resume(self, head, optimizer) -> dict:
         path = self.out / "checkpoint.pt"

@@ -44,11 +44,3 @@ class DraftTree:
         for node in range(1, self.num_nodes):
             mask[node] |= mask[self.parents[node]]
         return mask
-
-    def path_to(self, node: int) -> list[int]:
-        """Nodes from the first draft on the path down to `node` (root excluded)."""
-        path = []
-        while node > 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]

