@@ -73,17 +73,22 @@ def head_losses(
     weight = target.lm_head.weight  # [vocab, hidden]
     if head.draft_vocab is not None:
         weight = weight[head.draft_vocab]  # [V_draft, hidden]
-    offsets = torch.cat([torch.arange(n) for n in lengths]).to(device)  # [N] index in its sequence
-    loss, firsts, accuracies = 0.0, None, []
+    positions = _positions(lengths, device)  # [N]
+    loss, parts = 0.0, []
     for step, predicted in enumerate(predictions):
-        valid = mask & (offsets >= step)  # step s's first s positions have no drafted input
+        valid = mask & (positions >= step)  # step s's first s positions have no drafted input
         feature_loss, token_loss, accuracy = _losses(predicted[valid], targets[valid], weight)
         loss = loss + UNROLL_DECAY**step * (
             FEATURE_WEIGHT * feature_loss + TOKEN_WEIGHT * token_loss
         )
-        firsts = firsts or (feature_loss.item(), token_loss.item())
-        accuracies.append(accuracy)
-    return loss, StepLosses(*firsts, tuple(accuracies))
+        parts.append((feature_loss.item(), token_loss.item(), accuracy))
+    (feature, token, _), accuracies = parts[0], tuple(a for _, _, a in parts)
+    return loss, StepLosses(feature, token, accuracies)
+
+
+def _positions(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[sum(lengths)] each position's index in its own sequence."""
+    return torch.cat([torch.arange(n) for n in lengths]).to(device)
 
 
 def _losses(predicted: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor):
@@ -119,10 +124,10 @@ def unrolled_predictions(
         [head.kv_layer_shape], len(lengths), steps * max(lengths), features.dtype, device
     )
     starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)  # [B] first position
+    positions = _positions(lengths, device)  # [N]
     inputs, predictions = features, []
     for step in range(steps):
         meta = _unrolled_step_metadata(lengths, step, cache.block_size, device)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)  # [N]
         predicted = head(next_tokens, inputs, positions, cache.layers[0], meta, target_embedding)
         predictions.append(predicted)  # [N, hidden]
         inputs = torch.cat((features[:1], predicted[:-1]))  # [N, hidden] shifted one position
