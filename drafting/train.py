@@ -139,15 +139,23 @@ def _unrolled_step_metadata(
     lengths: list[int], step: int, block_size: int, device: torch.device
 ) -> AttentionMetadata:
     """Sequence b owns block b; step s writes its n entries after the s * n of earlier steps."""
-    sequences = []
-    for block, n in enumerate(lengths):
-        position = torch.arange(n)[:, None]  # [n, 1] the query's position
-        entry = torch.arange((step + 1) * n)[None, :]  # [1, (s + 1) n] keys of steps 0..s
-        key_step, key_position = entry // n, entry % n
-        visible = torch.where(
-            key_step == 0,
-            key_position <= position - step,  # the target-fed context up to the path's root
-            key_position == position - step + key_step,  # the path's entry at each later step
-        )  # [n, (s + 1) n]
-        sequences.append(SequenceAttention([block], step * n, n, tree_mask=visible))
+    sequences = [
+        # step 0 is the plain causal pass: the default mask, no tree mask to build
+        SequenceAttention(
+            [block], step * n, n, tree_mask=_draft_path_mask(n, step) if step else None
+        )
+        for block, n in enumerate(lengths)
+    ]
     return build_attention_metadata(sequences, block_size, device)
+
+
+def _draft_path_mask(n: int, step: int) -> torch.Tensor:  # [n, (step + 1) n]
+    """Which entries of steps 0..step each of a sequence's n step-`step` queries sees."""
+    position = torch.arange(n)[:, None]  # [n, 1] the query's position
+    entry = torch.arange((step + 1) * n)[None, :]  # [1, (s + 1) n] keys of steps 0..s
+    key_step, key_position = entry // n, entry % n
+    return torch.where(
+        key_step == 0,
+        key_position <= position - step,  # the target-fed context up to the path's root
+        key_position == position - step + key_step,  # the path's entry at each later step
+    )
