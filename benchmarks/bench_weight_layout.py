@@ -1,11 +1,15 @@
-"""Row-major against column-major linear weights on CPU: F.linear time per number of rows.
+"""Linear-weight formats on CPU: time of whole target passes of the default model, by pass size.
 
-For each linear shape of the default model (fused qkv, o_proj, fused gate/up, down, lm_head) and
-each row count, the best of five timed loops of `F.linear(x, W)` with W stored row-major (PyTorch's
-default) and column-major (engine/layers/weight_layout.py). Writes ``weight_layout.json`` and
+Three formats of the same weights, each a full pass of the engine's model (paged attention, lm_head
+on each sequence's first row), swapped in turn within every round so that the machine's drift
+hits all three alike: row-major (PyTorch's default), column-major (engine/layers/weight_layout.py,
+what a compiled model keeps) and MKL-packed (engine/layers/packed_linear.py, the eager engine's:
+packed from 2 rows on, column-major for one).
+Two pass shapes: one sequence verifying N tokens (a draft tree) and N sequences decoding one token
+each (a batch). Reports the best of `--rounds` per point. Writes ``weight_layout.json`` and
 ``.png`` to ``--out-dir``. From the repository root:
 
-    .venv/bin/python benchmarks/bench_weight_layout.py
+    .venv/bin/python benchmarks/bench_weight_layout.py    # ~2 minutes
 """
 
 from __future__ import annotations
@@ -16,85 +20,106 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
 
+from engine.layers.packed_linear import PackedLinear
 from engine.layers.weight_layout import column_major
+from engine.llm import LLM
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHAPES = {  # name: (out, in) for SmolLM2-135M
-    "qkv_proj": (960, 576),
-    "o_proj": (576, 576),
-    "gate_up_proj": (3072, 576),
-    "down_proj": (576, 1536),
-    "lm_head": (49152, 576),
+SHAPES = {  # name: (tokens in the pass, tokens per sequence) for each N
+    "one sequence, N tokens": [(n, n) for n in (1, 2, 3, 4, 8, 16, 32)],
+    "N sequences, 1 token each": [(n, 1) for n in (2, 4, 8, 16, 32, 64)],
 }
-ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
 
 
-def best_time_us(fn, budget_s: float = 0.05) -> float:
-    fn()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < budget_s:
-        fn()
-        calls += 1
-    per_loop = max(1, calls // 4)
-    loops = []
-    for _ in range(5):
+def weight_formats(model: nn.Module) -> dict[str, dict[tuple[nn.Module, str], nn.Module]]:
+    """Per format, the module to set at each (parent, attribute) of the model's packed linears."""
+    slots = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, PackedLinear)
+    ]
+    return {
+        "row-major": {(p, n): _linear(c.weight.detach().contiguous()) for p, n, c in slots},
+        "column-major": {(p, n): _linear(column_major(c.weight.detach())) for p, n, c in slots},
+        "MKL-packed": {(p, n): c for p, n, c in slots},
+    }
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:  # [out, in], no bias (the default model has none)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
+def time_pass(runner, num_tokens: int, per_sequence: int, repeats: int = 3) -> float:
+    """Milliseconds of the fastest of `repeats` synthetic passes (after one warm-up)."""
+    runner.synthetic_pass(num_tokens, per_sequence)
+    best = float("inf")
+    for _ in range(repeats):
         started = time.perf_counter()
-        for _ in range(per_loop):
-            fn()
-        loops.append((time.perf_counter() - started) / per_loop * 1e6)
-    return min(loops)
+        runner.synthetic_pass(num_tokens, per_sequence)
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    results = {}
-    for name, (out, inp) in SHAPES.items():
-        row_major = torch.randn(out, inp)
-        col_major = column_major(row_major)
-        results[name] = []
-        for rows in ROWS:
-            x = torch.randn(rows, inp)
-            assert torch.allclose(F.linear(x, row_major), F.linear(x, col_major), atol=1e-4)
-            row_us = best_time_us(lambda x=x, w=row_major: F.linear(x, w))
-            col_us = best_time_us(lambda x=x, w=col_major: F.linear(x, w))
-            results[name].append({"rows": rows, "row_major_us": row_us, "column_major_us": col_us})
-            print(
-                f"{name:>12} rows {rows:>2}: row-major {row_us:8.0f} us, "
-                f"column-major {col_us:8.0f} us"
-            )
+    runner = LLM(model=args.model, draft=None, kv_cache_memory_gib=0.25).engine.runner
+    formats = weight_formats(runner.model)
+    best = {f: {s: [float("inf")] * len(p) for s, p in SHAPES.items()} for f in formats}
+    for _ in tqdm(range(args.rounds), desc="rounds"):
+        for name, modules in formats.items():
+            for (parent, attribute), module in modules.items():
+                setattr(parent, attribute, module)
+            for shape, points in SHAPES.items():
+                for i, (num_tokens, per_sequence) in enumerate(points):
+                    ms = time_pass(runner, num_tokens, per_sequence)
+                    best[name][shape][i] = min(best[name][shape][i], ms)
+    results = {
+        shape: [
+            {"tokens": n, **{f"{name}_ms": round(best[name][shape][i], 2) for name in formats}}
+            for i, (n, _) in enumerate(points)
+        ]
+        for shape, points in SHAPES.items()
+    }
+    for shape, rows in results.items():
+        print(shape)
+        for row in rows:
+            print("  " + ", ".join(f"{k} {v}" for k, v in row.items()))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    settings = {"model": args.model, "threads": torch.get_num_threads(), "rounds": args.rounds}
     path = args.out_dir / "weight_layout.json"
     path.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
-    plot(results, path.with_suffix(".png"))
+    plot(results, list(formats), path.with_suffix(".png"))
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, formats: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for name, rows in results.items():
-        axes.plot(
-            [r["rows"] for r in rows],
-            [r["row_major_us"] / r["column_major_us"] for r in rows],
-            "o-",
-            label=name,
-        )
-    axes.axhline(1.0, color="gray", lw=0.8)
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("rows of x (tokens in the pass)")
-    axes.set_ylabel("row-major time / column-major time")
-    axes.set_title("F.linear on CPU: speedup of column-major weights")
-    axes.grid(alpha=0.3)
-    axes.legend()
+    figure, panels = plt.subplots(1, len(results), figsize=(11, 4.2))
+    for axes, (shape, rows) in zip(panels, results.items()):
+        for name in formats:
+            axes.plot(
+                [r["tokens"] for r in rows], [r[f"{name}_ms"] for r in rows], "o-", label=name
+            )
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("N")
+        axes.set_ylabel("ms per pass")
+        axes.set_title(shape)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle("Target passes of the default model on CPU, by linear-weight format")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from drafting.acceptance import accept_at_node, accept_at_node_greedy
 from drafting.head import EagleHead
@@ -24,8 +25,8 @@ from drafting.tree import ROOT, Candidates, rerank
 from engine.draft_budget import DraftBudget
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, logits_context, sample_one_each
+from engine.layers.packed_linear import PackedLinear, can_pack
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
-from engine.layers.weight_layout import column_major
 from engine.logits_processing import apply_penalties, target_probabilities, token_logprobs
 from engine.model_runner import ForwardOutput
 from engine.models.decoder import DecoderModel
@@ -76,11 +77,7 @@ class EagleDrafter:
         # A reduced draft vocabulary scores only the target's most frequent tokens: its lm_head
         # rows are a fraction of the full one, which dominates drafting for small targets.
         self.draft_vocab = head.draft_vocab  # [V_draft] target token ids, or None
-        weight = target.lm_head.weight  # [vocab, hidden]
-        if self.draft_vocab is not None:
-            weight = weight[self.draft_vocab]  # [V_draft, hidden], a row-major copy
-            weight = column_major(weight) if weight.device.type == "cpu" else weight
-        self.draft_lm_head = weight
+        self.draft_lm_head = _draft_lm_head(target.lm_head, self.draft_vocab)
 
     # ------------------------------------------------------------------ propose
     @torch.inference_mode()
@@ -143,7 +140,7 @@ class EagleDrafter:
             chosen = candidates.newest_layer_best(k)  # [B, k] candidate indices
             out = self._expand(items, active, layer, candidates, chosen, sources, rows)
             logprobs = torch.full(
-                (batch, k, len(self.draft_lm_head)), -torch.inf, device=self.device
+                (batch, k, self.draft_lm_head.out_features), -torch.inf, device=self.device
             )
             logprobs[active] = self._draft_logprobs(out).view(len(active), k, -1)
             # children of inactive rows: -inf
@@ -190,7 +187,7 @@ class EagleDrafter:
     def _draft_logprobs(self, features: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, V] draft log-probabilities over the draft vocabulary, through the
         target's lm_head (its rows for that vocabulary when the head has a reduced one)."""
-        logits = torch.nn.functional.linear(features, self.draft_lm_head).float()
+        logits = self.draft_lm_head(features).float()  # [N, V]
         return torch.log_softmax(logits, dim=-1)
 
     def _depth_for(self, room: int) -> int:
@@ -351,3 +348,13 @@ def _extend_ancestors(
             mask[old + r] |= mask[expanded.index(parent)]
         mask[old + r, old + r] = True
     return mask
+
+
+def _draft_lm_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None) -> nn.Module:
+    """The target's lm_head, or a copy of its rows for a reduced draft vocabulary (packed for MKL
+    where it can be, as the target's own linears are)."""
+    if draft_vocab is None:
+        return lm_head
+    rows = nn.Linear(lm_head.in_features, len(draft_vocab), bias=False, device="meta")
+    rows.weight = nn.Parameter(lm_head.weight.detach()[draft_vocab], requires_grad=False)
+    return PackedLinear(rows) if can_pack(rows.weight) else rows

@@ -23,6 +23,7 @@ from engine.draft_budget import DraftBudget, expected_tokens
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, AutoregressiveDrafter, Drafter
 from engine.errors import InvalidRequestError
+from engine.layers.packed_linear import pack_linear_weights
 from engine.model_files import load_config, load_state_dict, load_tokenizer, resolve_model_path
 from engine.model_runner import ForwardOutput, ModelRunner
 from engine.models.spec import ModelSpec
@@ -84,9 +85,11 @@ class LLMEngine:
     def _load_head(self, config: EngineConfig):
         from drafting.head import load_head  # drafting builds on the engine, not the reverse
 
-        return load_head(
+        head = load_head(
             config.draft, self.spec, self.max_model_len, config.torch_device, config.torch_dtype
         )
+        pack_linear_weights(head)  # the engine only runs it forward
+        return head
 
     def _make_drafter(self, head) -> Drafter:
         from drafting.eagle_drafter import EagleDrafter, TreeShape

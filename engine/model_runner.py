@@ -11,6 +11,7 @@ from engine.compilation import compile_model, warm_up
 from engine.config import EngineConfig
 from engine.draft_tree import DraftTree
 from engine.kv_cache import KVCache, LayerShape
+from engine.layers.packed_linear import pack_linear_weights
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from engine.models.decoder import DecoderModel
@@ -64,9 +65,11 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks(layers)
         self.kv_cache = KVCache(layers, self.num_blocks, config.block_size, self.dtype, self.device)
         self.forward = self.model  # [T] ids, [T] positions, K/V, metadata -> [T, hidden]
-        if config.enable_torch_compile:
+        if config.enable_torch_compile:  # inductor freezes the weights into its graphs
             self.forward = compile_model(self.model)
             warm_up(self)
+        else:
+            pack_linear_weights(self.model)
 
     def _num_kv_blocks(self, layers: list[LayerShape]) -> int:
         if self.config.num_kv_blocks is not None:

@@ -6,7 +6,9 @@ tensor stored column-major (W.T's memory contiguous) makes F.linear run the "NN"
 1.5-2.5x faster from 4 to 32 rows, as fast for 1 row, somewhat slower for 2 or 3. Decode steps are
 exactly those sizes (a verify pass over draft trees, a batch of sequences each adding one token),
 so the engine stores its CPU weights this way. Only the memory layout changes: every value, and
-so every result, stays the same. benchmarks/bench_weight_layout.py measures both layouts.
+so every result, stays the same. From 2 rows on, the eager engine runs MKL's packed GEMM instead
+(engine/layers/packed_linear.py), faster still; this layout serves its one-row passes and a
+compiled model. benchmarks/bench_weight_layout.py measures whole passes with each format.
 """
 
 from __future__ import annotations
