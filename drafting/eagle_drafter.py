@@ -34,6 +34,10 @@ from engine.outputs import TokenLogprob
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 
+# Rows of draft-node logits an acceptance walk computes ahead in one lm_head call: up to about
+# this many, the call costs what one row does (engine/layers/packed_linear.py).
+_FREE_LOGITS_ROWS = 8
+
 
 @dataclass
 class _HeadRows:
@@ -273,6 +277,13 @@ class _Walk:
         self.node = child
         return True
 
+    def subtree(self) -> list[int]:
+        """The current node and every node below it."""
+        nodes = [self.node]
+        for node in nodes:
+            nodes += self.children[node]
+        return nodes
+
     def result(self) -> Accepted:
         tokens = [self.tree.tokens[n] for n in self.accepted] + [self.bonus]
         return Accepted(tokens, _emitted_logprobs(self, tokens), self.accepted)
@@ -281,9 +292,11 @@ class _Walk:
 def _walk_trees(
     walks: list[_Walk], root_logits: torch.Tensor, verified: ForwardOutput
 ) -> list[Accepted]:
-    """Walk every tree, level by level: the target logits of the nodes reached at one level are
-    computed in one batch (root_logits: [W, vocab] raw, at each root), and no other node's are."""
+    """Walk every tree, level by level (root_logits: [W, vocab] raw, at each root). The target
+    logits of the nodes reached at one level are computed in one batch, with those of every node
+    below them when they are few (`_node_logits`)."""
     active, logits = walks, root_logits  # logits: [A, vocab] at each active walk's node
+    computed: dict[int, torch.Tensor] = {}  # hidden row -> [vocab] raw target logits
     while active:
         processed = _penalised(active, logits)
         params = [walk.params for walk in active]
@@ -296,8 +309,23 @@ def _walk_trees(
             if walk.step(logits[i], argmax[i], None if probs is None else probs[i])
         ]
         if active:
-            logits = verified.node_logits([walk.root_row + walk.node for walk in active])
+            logits = _node_logits(active, verified, computed)
     return [walk.result() for walk in walks]
+
+
+def _node_logits(
+    active: list[_Walk], verified: ForwardOutput, computed: dict[int, torch.Tensor]
+) -> torch.Tensor:  # [A, vocab] raw target logits at each active walk's node
+    """The lm_head costs about as much for a few rows as for one (reading its weight dominates),
+    so when the nodes at or below the active walks' current ones are few, all of their logits are
+    computed in the one call the current nodes need; otherwise only the current nodes'."""
+    wanted = [walk.root_row + walk.node for walk in active]
+    missing = [row for row in wanted if row not in computed]
+    if missing:
+        below = [walk.root_row + node for walk in active for node in walk.subtree()]
+        rows = below if len(below) <= _FREE_LOGITS_ROWS else missing
+        computed.update(zip(rows, verified.node_logits(rows)))
+    return torch.stack([computed[row] for row in wanted])
 
 
 def _penalised(walks: list[_Walk], logits: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ class ForwardOutput:
     """One verify pass. Rows of `hidden` follow the scheduled tokens in order; `logits` has a row
     per sampling sequence: its last token's, or its draft tree's root's. The logits of a tree's
     other nodes are computed on demand (`node_logits`): an acceptance walk reads only the nodes it
-    reaches, and on a CPU every row of the lm_head costs (113 MB of fp32 weights for the default
-    model, about a tenth of a one-token pass per row)."""
+    reaches (and, where they are few, the nodes below them), and on a CPU the lm_head is dear
+    (113 MB of fp32 weights for the default model: a call costs a tenth of a one-token pass)."""
 
     logits: torch.Tensor  # [R, vocab] float32
     hidden: torch.Tensor  # [T, hidden] final features of every computed token

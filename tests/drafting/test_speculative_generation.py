@@ -142,26 +142,48 @@ def test_logprobs_and_stops_match_plain_decoding(bigram_target, trained_head):
     assert speculative[0].outputs[0].token_ids[-1] == stop_token
 
 
-def test_the_lm_head_runs_only_on_the_tree_nodes_the_walks_reach(
+def record_node_logits(monkeypatch) -> dict[int, list[list[int]]]:
+    """Rows of every `node_logits` call, per verify pass (the passes are kept alive meanwhile)."""
+    calls: dict[int, list[list[int]]] = {}
+    passes = []
+    node_logits = ForwardOutput.node_logits
+
+    def recording(self, rows):
+        passes.append(self)
+        calls.setdefault(id(self), []).append(list(rows))
+        return node_logits(self, rows)
+
+    monkeypatch.setattr(ForwardOutput, "node_logits", recording)
+    return calls
+
+
+def test_the_walks_compute_node_logits_once_and_only_where_they_reach(
     bigram_target, trained_head, monkeypatch
 ):
-    """Beyond each tree's root, whose logits the verify pass computes, the acceptance walk
-    computes the target's logits at exactly the nodes it accepts (to decide their children or
-    sample the bonus there), not at every verified node."""
-    node_rows = []
-    node_logits = ForwardOutput.node_logits
-    monkeypatch.setattr(
-        ForwardOutput,
-        "node_logits",
-        lambda self, rows: node_rows.append(len(rows)) or node_logits(self, rows),
-    )
+    """Beyond each tree's root, whose logits the verify pass computes, the acceptance walks
+    compute the target's logits at or below the nodes they reach (to decide their children or
+    sample the bonus there), each node at most once, a level's walks in one lm_head call."""
+    calls = record_node_logits(monkeypatch)
     prompts = mixed_prompts(6, seed=5)
-    _, outputs = generate(bigram_target, trained_head, prompts, num_kv_blocks=1024)
+    big_trees = dict(draft_top_k=4, draft_depth=3, draft_total_tokens=16, num_kv_blocks=1024)
+    _, outputs = generate(bigram_target, trained_head, prompts, **big_trees)
     accepted = sum(o.metrics.num_accepted_tokens for o in outputs)
     verified = sum(o.metrics.num_draft_tokens for o in outputs)
     assert 0 < accepted < verified
-    assert sum(node_rows) == accepted
-    assert max(node_rows) > 1  # the walks of a level share one lm_head call
+    rows_per_pass = [[row for rows in pass_calls for row in rows] for pass_calls in calls.values()]
+    assert all(len(rows) == len(set(rows)) for rows in rows_per_pass)
+    assert accepted <= sum(map(len, rows_per_pass)) < verified
+    assert max(len(rows) for pass_calls in calls.values() for rows in pass_calls) > 1
+
+
+def test_a_small_tree_gets_its_node_logits_in_one_call(bigram_target, trained_head, monkeypatch):
+    """A default tree (3 draft nodes) of one request: the lm_head costs about as much for its
+    few rows as for one, so the first node the walk accepts brings the logits of all below it."""
+    calls = record_node_logits(monkeypatch)
+    _, outputs = generate(bigram_target, trained_head, mixed_prompts(1, seed=5), num_kv_blocks=64)
+    accepted = outputs[0].metrics.num_accepted_tokens
+    assert all(len(pass_calls) == 1 for pass_calls in calls.values())
+    assert 0 < len(calls) < accepted  # some steps accepted several nodes for one call
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(bigram_target, trained_head):
