@@ -6,11 +6,12 @@ c * exp(v) is the number of tokens the node is expected to add; the calibration 
 over tokens expected, measured as the engine runs) corrects a head that is over- or
 under-confident. A step with B decoding sequences and T0 scheduled tokens (their roots, plus any
 prefill chunks) that verifies N draft nodes emits B + E(N) tokens, E(N) the sum of the N values
-kept, in cost(T0 + N) + r * E(N) seconds: the verify cost measured at start-up
-(engine/verify_cost.py), scaled by how long the real passes take against it, plus the lm_head row
-r that the acceptance walk spends on each node it accepts. The budget keeps the N nodes of highest
-value across all sequences, with N maximising that rate; N = 0 is plain decoding. A child's value
-never exceeds its parent's, so each sequence's kept nodes form a tree.
+kept, in cost(T0 + N) + L(E(N)) seconds: the verify cost measured at start-up
+(engine/verify_cost.py), scaled by how long the real passes take against it, plus L, the lm_head
+over the rows of the nodes the acceptance walk accepts (measured too: a few rows cost about what
+one does). The budget keeps the N nodes of highest value across all sequences, with N maximising
+that rate; N = 0 is plain decoding. A child's value never exceeds its parent's, so each
+sequence's kept nodes form a tree.
 
 Drafting costs time too, spent before the values are known. So before drafting, the budget
 predicts both rates for the step's batch, from the recent value curve (the mean calibrated value
@@ -149,8 +150,10 @@ class DraftBudget:
         return np.maximum(self.verify_cost(num_tokens) * self.verify_scale, 1e-9)
 
     def _walk_seconds(self, num_accepted):
-        """Seconds the acceptance walk spends on the lm_head rows of `num_accepted` nodes."""
-        return self.verify_cost.logits_row_seconds * self.verify_scale * num_accepted
+        """Seconds the acceptance walk spends on the lm_head rows of `num_accepted` nodes (a
+        number or an array), as if in one call: small trees' nodes come in one (drafting/
+        eagle_drafter.py), a batch's walks share one call per level."""
+        return self.verify_cost.logits(num_accepted) * self.verify_scale
 
     def _draft_seconds(self, num_sequences: int) -> float:
         intercept, slope = self.draft_fit

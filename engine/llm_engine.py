@@ -115,8 +115,11 @@ class LLMEngine:
         )
         cost = measure_verify_cost(self.runner, largest, config.draft_total_tokens)
         logger.info(
-            "verify cost for the draft budget: %s",
+            "verify cost for the draft budget: %s; lm_head: %s",
             ", ".join(f"{n} tok {1000 * s:.1f} ms" for n, s in zip(cost.num_tokens, cost.seconds)),
+            ", ".join(
+                f"{n} rows {1000 * s:.1f} ms" for n, s in zip(cost.logits_rows, cost.logits_seconds)
+            ),
         )
         return DraftBudget(cost)
 

@@ -128,9 +128,11 @@ class ModelRunner:
         self._synchronize()
 
     @torch.inference_mode()
-    def logits_row_pass(self) -> None:
-        """The lm_head over one row: what an acceptance walk spends on each node it reaches."""
-        self.model.compute_logits(self.model.embed_tokens.weight[:1])  # [1, vocab]
+    def logits_pass(self, num_rows: int) -> None:
+        """The lm_head over `num_rows` rows: what an acceptance walk spends on the nodes it
+        reaches."""
+        rows = self.model.embed_tokens.weight[:num_rows]  # [N, hidden]
+        self.model.compute_logits(rows)  # [N, vocab]
         self._synchronize()
 
     def _synchronize(self) -> None:

@@ -2,9 +2,10 @@
 
 Measured once at start-up on decode-shaped passes (sequences of `tokens_per_sequence` new tokens
 over a short context, logits on each one's root, as a verify pass of draft trees computes), at
-powers of two up to the largest pass the scheduler can build, plus the lm_head over one row, which
-the acceptance walk spends on each draft node it accepts. The draft budget
-(engine/draft_budget.py) weighs extra draft tokens against them.
+powers of two up to the largest pass the scheduler can build; and the lm_head alone over 1, 2,
+4, ... rows, which the acceptance walk spends on the draft nodes it accepts (on a CPU with packed
+weights a few rows cost about what one does). The draft budget (engine/draft_budget.py) weighs
+extra draft tokens against them.
 """
 
 from __future__ import annotations
@@ -16,36 +17,61 @@ from functools import partial
 
 import numpy as np
 
+_MAX_LOGITS_ROWS = 64  # the lm_head is timed up to this many rows; the last slope goes beyond
+
 
 @dataclass(frozen=True)
 class VerifyCost:
     num_tokens: tuple[int, ...]  # increasing, the first is 1
     seconds: tuple[float, ...]  # time of a pass with that many tokens
-    logits_row_seconds: float = 0.0  # the lm_head over one more row
+    logits_rows: tuple[int, ...] = (1,)  # increasing, the first is 1
+    logits_seconds: tuple[float, ...] = (0.0,)  # time of the lm_head over that many rows
 
     def __call__(self, num_tokens):
         """Seconds for a pass of `num_tokens` tokens (a number, or an array of them: then an
         array): piecewise linear between the measured points, the last segment's slope beyond."""
-        xs, ys = self.num_tokens, self.seconds
-        x = np.maximum(np.asarray(num_tokens, dtype=np.float64), xs[0])
-        last_slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        seconds = np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * last_slope, np.interp(x, xs, ys))
-        return float(seconds) if seconds.ndim == 0 else seconds
+        x = np.maximum(np.asarray(num_tokens, dtype=np.float64), self.num_tokens[0])
+        return _piecewise_linear(self.num_tokens, self.seconds, x)
+
+    def logits(self, num_rows):
+        """Seconds of the lm_head over `num_rows` rows (a number or an array; an expected number
+        may be fractional): from nothing at 0 rows, piecewise linear through the measurements."""
+        x = np.maximum(np.asarray(num_rows, dtype=np.float64), 0.0)
+        return _piecewise_linear((0, *self.logits_rows), (0.0, *self.logits_seconds), x)
+
+
+def _piecewise_linear(xs: tuple, ys: tuple, x: np.ndarray):
+    last_slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    y = np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * last_slope, np.interp(x, xs, ys))
+    return float(y) if y.ndim == 0 else y
 
 
 def measure_verify_cost(
     runner, max_tokens: int, tokens_per_sequence: int, repeats: int = 3
 ) -> VerifyCost:
-    """Time passes of 1, 2, 4, ... `max_tokens` tokens with `runner` (the fastest of `repeats`).
+    """Time passes of 1, 2, 4, ... `max_tokens` tokens with `runner` (the fastest of `repeats`),
+    and the lm_head over 1, 2, 4, ... rows.
 
     Uses the KV cache as scratch, so call it before any request is scheduled."""
-    points = sorted({2**i for i in range(int(math.log2(max(2, max_tokens))) + 1)} | {max_tokens})
+    points = _powers_of_two_to(max_tokens)
     runner.synthetic_pass(points[-1], tokens_per_sequence)  # warm-up: allocations, kernels
     seconds = [
         _fastest(partial(runner.synthetic_pass, n, tokens_per_sequence), repeats) for n in points
     ]
-    row = _fastest(runner.logits_row_pass, repeats + 1)  # the first warms up
-    return VerifyCost(tuple(points), tuple(_non_decreasing(seconds)), row)
+    rows = _powers_of_two_to(min(max_tokens, _MAX_LOGITS_ROWS))
+    runner.logits_pass(rows[-1])  # warm-up
+    logits_seconds = [_fastest(partial(runner.logits_pass, n), repeats) for n in rows]
+    return VerifyCost(
+        tuple(points),
+        tuple(_non_decreasing(seconds)),
+        tuple(rows),
+        tuple(_non_decreasing(logits_seconds)),
+    )
+
+
+def _powers_of_two_to(largest: int) -> list[int]:
+    """1, 2, 4, ... up to `largest`, and `largest` itself."""
+    return sorted({2**i for i in range(int(math.log2(max(2, largest))) + 1)} | {largest})
 
 
 def _fastest(run, repeats: int) -> float:

@@ -28,6 +28,19 @@ def test_verify_cost_interpolates_and_extends_the_last_slope():
     assert cost(2) == 1.0 and cost(16) == 15.0
 
 
+def test_the_lm_head_cost_rises_from_nothing_through_its_measurements():
+    cost = VerifyCost((1,), (1.0,), (1, 2, 4), (0.5, 0.5, 1.5))
+    assert cost.logits([0, 0.5, 1, 2, 3, 4, 8]).tolist() == [0.0, 0.25, 0.5, 0.5, 1.0, 1.5, 3.5]
+
+
+def test_a_dear_acceptance_walk_keeps_drafts_out():
+    flat_verify = ((1, 4096), (1.0, 1.0))
+    cheap_walk = DraftBudget(VerifyCost(*flat_verify, (1, 64), (0.01, 0.64)))
+    assert cheap_walk.allocate(values([0.9, 0.8]), 1) == [2]
+    dear_walk = DraftBudget(VerifyCost(*flat_verify, (1, 64), (10.0, 640.0)))
+    assert dear_walk.allocate(values([0.9, 0.8]), 1) == [0]
+
+
 def test_free_verification_keeps_every_node_a_sequence_may_keep():
     budget = DraftBudget(VerifyCost((1, 2), (0.1, 0.1)))
     assert budget.allocate(values([0.9, 0.2, 0.01], [0.5, 0.0, 0.0]), 2) == [3, 1]
