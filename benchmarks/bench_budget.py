@@ -1,0 +1,78 @@
+"""Does the draft budget choose well when to draft? AR, the budget, and drafting at every step.
+
+Batch 1, the first turns of the first ``--num-prompts`` MT-bench questions, greedy, ``--max-tokens``
+new tokens (EOS ignored), four engines interleaved per prompt so that the machine's drift hits
+all alike: plain AR; EAGLE with the adaptive budget (the default); EAGLE drafting at every step,
+the budget still choosing each step's nodes (its prediction of whether drafting pays switched
+off); EAGLE verifying whole trees. Writes ``budget.json`` to ``--out-dir``. From the repository
+root:
+
+    .venv/bin/python benchmarks/bench_budget.py    # ~3 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from engine import LLM, SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
+QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
+
+
+def engines() -> dict[str, LLM]:
+    small_pool = dict(kv_cache_memory_gib=0.3)
+    always = LLM(MODEL, draft="auto", **small_pool)
+    budget = always.engine.budget
+    budget.should_draft = lambda num_decoding, num_pass_tokens: budget._drafts()
+    return {
+        "ar": LLM(MODEL, draft=None, **small_pool),
+        "adaptive budget": LLM(MODEL, draft="auto", **small_pool),
+        "drafting every step": always,
+        "whole trees": LLM(MODEL, draft="auto", adaptive_draft_budget=False, **small_pool),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llms = engines()
+    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    prompts = [
+        llms["ar"].apply_chat_template([{"role": "user", "content": q["turns"][0]}])
+        for q in questions[: args.num_prompts]
+    ]
+    seconds, tokens = dict.fromkeys(llms, 0.0), dict.fromkeys(llms, 0)
+    for prompt in tqdm(prompts, desc="prompts"):
+        for name, llm in llms.items():
+            started = time.perf_counter()
+            (output,) = llm.generate([prompt], params, use_tqdm=False)
+            seconds[name] += time.perf_counter() - started
+            tokens[name] += len(output.outputs[0].token_ids)
+    results = {
+        name: {
+            "tok_s": tokens[name] / seconds[name],
+            "vs_ar": seconds["ar"] / seconds[name] * tokens[name] / tokens["ar"],
+        }
+        for name in llms
+    }
+    for name, result in results.items():
+        print(f"{name:>20}: {result['tok_s']:.1f} tokens/s, {result['vs_ar']:.3f}x AR")
+    settings = {"model": MODEL, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / "budget.json"
+    path.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
