@@ -41,6 +41,7 @@ class VerifyCost:
 
 
 def _piecewise_linear(xs: tuple, ys: tuple, x: np.ndarray):
+    """y at `x` through the points (xs, ys), the last segment's slope beyond the last point."""
     last_slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
     y = np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * last_slope, np.interp(x, xs, ys))
     return float(y) if y.ndim == 0 else y

@@ -60,9 +60,9 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def pack_linear_weights(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> None:
-    """Replace every packable nn.Linear inside `module` (but those in `skip`) by a PackedLinear."""
+def pack_linear_weights(module: nn.Module) -> None:
+    """Replace every packable nn.Linear inside `module` by a PackedLinear."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child not in skip and can_pack(child.weight):
+            if isinstance(child, nn.Linear) and can_pack(child.weight):
                 setattr(parent, name, PackedLinear(child))

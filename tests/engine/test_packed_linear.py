@@ -23,10 +23,11 @@ def test_packed_linear_matches_nn_linear_for_every_number_of_rows(bias):
     torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
-def test_packing_replaces_linears_but_the_skipped_and_shares_their_weights():
+def test_packing_replaces_fp32_linears_only_and_shares_their_weights():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    model[2].to(torch.bfloat16)
     kept, weight = model[2], model[0].weight
-    pack_linear_weights(model, skip=(kept,))
+    pack_linear_weights(model)
     assert isinstance(model[0], PackedLinear) and model[0].weight is weight
     assert model[2] is kept
     assert not can_pack(torch.zeros(2, 2, dtype=torch.bfloat16))
