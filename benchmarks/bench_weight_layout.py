@@ -43,15 +43,18 @@ def weight_formats(model: nn.Module) -> dict[str, dict[tuple[nn.Module, str], nn
         if isinstance(child, PackedLinear)
     ]
     return {
-        "row-major": {(p, n): _linear(c.weight.detach().contiguous()) for p, n, c in slots},
-        "column-major": {(p, n): _linear(column_major(c.weight.detach())) for p, n, c in slots},
+        "row-major": {(p, n): _linear(c.weight.detach().contiguous(), c.bias) for p, n, c in slots},
+        "column-major": {
+            (p, n): _linear(column_major(c.weight.detach()), c.bias) for p, n, c in slots
+        },
         "MKL-packed": {(p, n): c for p, n, c in slots},
     }
 
 
-def _linear(weight: torch.Tensor) -> nn.Linear:  # [out, in], no bias (the default model has none)
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:  # weight: [out, in]
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.bias = bias  # shared with the packed module (None: no bias)
     return linear
 
 

@@ -6,7 +6,7 @@ reading the weights dominates, yet MKL's plain fp32 GEMM re-packs its weight ope
 kernel's tile layout on every call, and for a few rows that costs more than the multiplication.
 MKL's packed GEMM (`cblas_sgemm_pack` once at load, `cblas_sgemm_compute` per call, reached
 through `torch.ops.mkl`, the path inductor's freezing takes) skips the re-pack: whole passes of
-the default model with 4 to 16 tokens run 10-20% faster than with column-major weights
+the default model with 4 to 16 tokens run 6-24% faster than with column-major weights
 (engine/layers/weight_layout.py). One row keeps the plain kernel, a GEMV that reads the weight
 once and is slightly faster, which is why the unpacked weight stays beside the packed copy: the
 cost is a second copy of the linear weights in memory. From 33 rows on (prefill chunks, big

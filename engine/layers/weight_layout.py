@@ -1,12 +1,12 @@
 """Column-major linear weights on CPU, for fast matmuls over a few rows.
 
-`F.linear(x, W)` with W stored row-major ([out, in], PyTorch's default) runs the BLAS "NT" kernel,
-which on this project's CPU (MKL, AVX2) slows sharply from 4 rows of x on. The same [out, in]
-tensor stored column-major (W.T's memory contiguous) makes F.linear run the "NN" kernel instead:
-1.5-2.5x faster from 4 to 32 rows, as fast for 1 row, somewhat slower for 2 or 3. Decode steps are
-exactly those sizes (a verify pass over draft trees, a batch of sequences each adding one token),
-so the engine stores its CPU weights this way. Only the memory layout changes: every value, and
-so every result, stays the same. From 2 rows on, the eager engine runs MKL's packed GEMM instead
+`F.linear(x, W)` with W stored row-major ([out, in], PyTorch's default) runs the BLAS "NT" kernel;
+the same [out, in] tensor stored column-major (W.T's memory contiguous) makes it run the "NN"
+kernel instead. Which is faster depends on the CPU: on an AVX2 machine "NT" slowed sharply from 4
+rows on and "NN" was 1.5-2.5x faster per layer; on an AVX-512 one, whole passes of the default
+model cost about the same either way from 4 rows on, and one row is slightly faster column-major.
+The engine stores its CPU weights this way. Only the memory layout changes: every value, and so
+every result, stays the same. From 2 rows on, the eager engine runs MKL's packed GEMM instead
 (engine/layers/packed_linear.py), faster still; this layout serves its one-row passes and a
 compiled model. benchmarks/bench_weight_layout.py measures whole passes with each format.
 """
