@@ -15,12 +15,14 @@ sequence's kept nodes form a tree.
 
 Drafting costs time too, spent before the values are known. So before drafting, the budget
 predicts both rates for the step's batch, from the recent value curve (the mean calibrated value
-of each sequence's m-th best node) and the drafting time fitted against the number of sequences;
-when drafting does not win, the step decodes plainly without drafting. After `probe_interval`
-plain steps it drafts anyway, so the estimates follow the traffic; a probe that finds nothing
-worth verifying doubles the wait before the next (up to 256 steps), one that drafts resets it. On
-plain steps the head catches up on the decoding sequences' new tokens only every 32nd step, in one
-batch, so that a mostly plain engine costs next to nothing over plain decoding.
+of each sequence's m-th best node, averaged over recent steps) and the drafting time fitted
+against the number of sequences; when drafting does not win, the step decodes plainly without
+drafting. After `probe_interval` plain steps it drafts anyway, so the estimates follow the
+traffic; a probe whose drafts do not pay for their drafting time (at large batches a few nodes
+are nearly free to verify, but drafting for every sequence is not) doubles the wait before the
+next (up to 256 steps), one whose drafts do resets it. On plain steps the head catches up on the
+decoding sequences' new tokens only every 32nd step, in one batch, so that a mostly plain engine
+costs next to nothing over plain decoding.
 
 Which nodes are verified depends only on the drafts, never on the target's answer, so the
 acceptance rule stays lossless.
@@ -57,6 +59,7 @@ class DraftBudget:
         self.draft_fit = (0.0, 0.0)  # seconds of drafting = a + b * sequences
         self.draft_times: deque[tuple[int, float]] = deque(maxlen=64)  # (sequences, seconds)
         self.plain_steps = 0  # steps decoded plainly since the last draft
+        self.skipped_steps = 0  # plain steps between the last two drafts
 
     @property
     def calibration(self) -> float:
@@ -105,11 +108,16 @@ class DraftBudget:
         )
         best = int(rate.argmax())  # the first maximum: ties go to fewer nodes
         counts = torch.bincount(order[:best] // width, minlength=batch)
-        if self.probing:  # back off while probes find nothing worth verifying
+        if self.probing:  # back off while probes find drafting not worth its cost
             self.probing = False
-            found = best > 0
+            drafted_rate = (batch + expected[best]) / (
+                self._seconds(num_pass_tokens + best)
+                + self._walk_seconds(expected[best])
+                + self._draft_seconds(batch)
+            )
+            paid = best > 0 and drafted_rate > batch / self._seconds(num_pass_tokens)
             self.interval = (
-                self.probe_interval if found else min(2 * self.interval, _MAX_PROBE_INTERVAL)
+                self.probe_interval if paid else min(2 * self.interval, _MAX_PROBE_INTERVAL)
             )
         return counts.tolist()
 
@@ -135,15 +143,20 @@ class DraftBudget:
 
     # ------------------------------------------------------------------ estimates
     def _drafts(self) -> bool:
-        self.plain_steps = 0
+        self.skipped_steps, self.plain_steps = self.plain_steps, 0
         return True
 
     def _observe_values(self, probs: torch.Tensor) -> None:
+        """The curve ages by step, not by draft: after a plain stretch its old part has aged by
+        every step skipped, so a probe weighs as much as the drafts those steps would have been.
+        (Aged by draft, one probe moved it by 5%, and an engine that had turned plain after a
+        bad stretch stayed plain long after the drafts had turned good.)"""
         mean = probs.mean(0).numpy()  # [M]
         if self.value_curve is None or len(self.value_curve) != len(mean):
             self.value_curve = mean
         else:
-            self.value_curve = _DECAY * self.value_curve + (1 - _DECAY) * mean
+            kept = _DECAY ** (1 + self.skipped_steps)
+            self.value_curve = kept * self.value_curve + (1 - kept) * mean
 
     def _seconds(self, num_tokens):
         """Seconds of a pass of `num_tokens` tokens (a number or an array) on this machine now."""

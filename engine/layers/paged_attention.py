@@ -73,7 +73,7 @@ def build_attention_metadata(
     num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
     num_new = torch.tensor([s.num_new for s in sequences])  # [B]
     first_token = torch.cumsum(num_new, 0) - num_new  # [B] flat index of each one's first token
-    tables = _block_tables(sequences)  # [B, max_blocks]
+    tables = _block_tables(sequences, block_size)  # [B, max_blocks]
     slot_mapping = _new_token_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
     members = _query_groups(num_new.tolist()) if group_queries else [list(range(len(sequences)))]
     # The queries are a view of the step's tokens when one group holds sequences of equal query
@@ -191,11 +191,16 @@ def _positions(sequences: list[SequenceAttention], num_queries: int, num_keys: i
     return query_pos, key_pos
 
 
-def _block_tables(sequences: list[SequenceAttention]) -> torch.Tensor:  # [B, max_blocks]
-    max_blocks = max(len(s.block_table) for s in sequences)
-    tables = torch.zeros(len(sequences), max_blocks, dtype=torch.long)
-    for row, s in enumerate(sequences):
-        tables[row, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+def _block_tables(
+    sequences: list[SequenceAttention], block_size: int
+) -> torch.Tensor:  # [B, max_blocks]
+    """The blocks each sequence reads: those holding its context and new tokens. A block table
+    may run further (a speculative engine keeps scratch room for draft trees after the context),
+    and gathering those blocks would only add masked keys."""
+    used = [s.block_table[: -(-(s.num_cached + s.num_new) // block_size)] for s in sequences]
+    tables = torch.zeros(len(sequences), max(map(len, used)), dtype=torch.long)
+    for row, blocks in enumerate(used):
+        tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
     return tables
 
 

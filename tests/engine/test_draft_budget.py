@@ -105,7 +105,7 @@ def test_measured_cost_grows_with_the_pass(generation_model):
 def test_probes_back_off_while_they_find_nothing_and_reset_when_they_do():
     budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
     hopeless, good = values(*[[0.01, 0.01]] * 8), values(*[[0.9, 0.9]] * 8)
-    budget.observe_draft(8, 0.5)
+    budget.observe_draft(8, 0.005)
     assert budget.should_draft(8, 8)  # nothing known yet: a probe
     budget.allocate(hopeless, 8)
     gaps = []
@@ -120,6 +120,31 @@ def test_probes_back_off_while_they_find_nothing_and_reset_when_they_do():
         pass
     budget.allocate(good, 8)  # this probe does: probe often again
     assert budget.interval == 4
+
+
+def test_probes_back_off_when_drafting_costs_more_than_the_drafts_save():
+    """At a large batch a few good nodes are nearly free to verify, but drafting a tree for every
+    sequence is not: such a probe must not keep probes frequent."""
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
+    budget.observe_draft(16, 0.05)  # drafting for 16 sequences: half a pass
+    assert budget.should_draft(16, 16)  # nothing known yet: a probe
+    one_good_node_each_in_two = values(*[[0.9, 0.01]] * 2, *[[0.01, 0.01]] * 14)
+    assert sum(budget.allocate(one_good_node_each_in_two, 16)) == 2  # worth verifying...
+    assert budget.interval == 8  # ... not worth drafting for: the next probe waits longer
+
+
+def test_one_good_probe_after_a_plain_stretch_turns_drafting_back_on():
+    """The value estimate ages with the steps skipped: a probe after a long plain stretch
+    outweighs the stale drafts before it."""
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=16)
+    budget.observe_draft(1, 0.05)  # drafting costs half a pass: it takes good drafts to pay
+    for _ in range(40):  # a long bad stretch: drafts nearly worthless
+        budget.should_draft(1, 1)
+        budget.allocate(values([0.02, 0.01]), 1)
+    while not budget.should_draft(1, 1):
+        pass  # plain until the probe
+    budget.allocate(values([0.95, 0.9]), 1)  # the drafts have turned good
+    assert budget.should_draft(1, 1)
 
 
 def test_plain_steps_catch_the_head_up_every_32nd_step():
