@@ -11,9 +11,10 @@ What it measures, in one run on the default model (smollm2-135m-instruct, fp32):
   per prompt and overall (total new tokens / total wall time, prefill included), the ratio
   Aerie / transformers, and how many prompts got identical greedy tokens from both.
 * batch N (``--batch``, default 16): Aerie's aggregate output tokens/s with the first N prompts
-  submitted in one ``generate`` call, and its ratio to Aerie's batch-1 tokens/s.
+  submitted in one ``generate`` call, and its ratio to Aerie's batch-1 tokens/s; the engines
+  take turns for ``--batch-rounds`` rounds (default 3), and the figures sum the rounds.
 * with ``--draft HEAD`` (default: the head shipped for the model, if any), a speculative column:
-  Aerie with that EAGLE head runs beside AR in the same interleaved loop and batch run, reporting
+  Aerie with that EAGLE head runs beside AR in the same interleaved loop and batch runs, reporting
   tokens/s, the mean acceptance length (tokens emitted per target pass, bonus included) and the
   mean time per step in each phase (propose, verify, accept).
 
@@ -67,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     parser.add_argument("--batch", type=int, default=16, help="requests in the batched run")
     parser.add_argument(
+        "--batch-rounds",
+        type=int,
+        default=3,
+        help="batched runs per engine, the engines alternating (this machine's speed drifts)",
+    )
+    parser.add_argument(
         "--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results", help="output folder"
     )
     parser.add_argument(
@@ -90,8 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="device for both (cpu, cuda, cuda:N)")
     args = parser.parse_args(argv)
-    if args.num_prompts < 1 or args.max_tokens < 1 or args.batch < 1:
-        parser.error("--num-prompts, --max-tokens and --batch must be >= 1")
+    if min(args.num_prompts, args.max_tokens, args.batch, args.batch_rounds) < 1:
+        parser.error("--num-prompts, --max-tokens, --batch and --batch-rounds must be >= 1")
     return args
 
 
@@ -250,20 +257,33 @@ def bench_batch1(llms: dict[str, LLM], model, prompts, questions, args, eos_id) 
     return rows
 
 
-def bench_batch(llm, prompts, args, name: str) -> dict:
-    """All `prompts` submitted in one generate call: aggregate output tokens/s."""
-    with tqdm(total=1, desc=f"batch {len(prompts)} ({name})", unit="run") as bar:
-        outputs, seconds = run_aerie(llm, prompts, aerie_params(args))
-        bar.update()
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    total = sum(len(t) for t in tokens)
+def bench_batches(llms: dict[str, LLM], prompts, args) -> dict[str, dict]:
+    """All `prompts` submitted in one generate call per engine, the engines taking turns for
+    `args.batch_rounds` rounds: aggregate output tokens/s over the rounds, per engine."""
+    runs: dict[str, list] = {name: [] for name in llms}
+    total = args.batch_rounds * len(llms)
+    with tqdm(total=total, desc=f"batch {len(prompts)}", unit="run") as bar:
+        for _ in range(args.batch_rounds):
+            for name, llm in llms.items():
+                runs[name].append(run_aerie(llm, prompts, aerie_params(args)))
+                bar.update()
+    return {name: batch_result(engine_runs) for name, engine_runs in runs.items()}
+
+
+def batch_result(runs: list[tuple[list, float]]) -> dict:
+    """One engine's batched runs, (outputs, seconds) each, summed."""
+    outputs = [o for run_outputs, _ in runs for o in run_outputs]
+    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+    seconds = sum(s for _, s in runs)
     return {
-        "num_requests": len(prompts),
+        "num_requests": len(runs[0][0]),
+        "rounds": len(runs),
         "total_tokens": total,
         "seconds": seconds,
         "tok_s": total / seconds,
+        "round_tok_s": [sum(len(o.outputs[0].token_ids) for o in outs) / s for outs, s in runs],
         "acceptance_length": acceptance_length(outputs),
-        "token_ids": tokens,
+        "token_ids": [list(o.outputs[0].token_ids) for o in runs[0][0]],
     }
 
 
@@ -428,9 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     for name, llm in llms.items():  # phase timings of the batched runs
         llm.engine.stats_listeners.append(phases[name])
-    batches = {
-        name: bench_batch(llm, prompts[: args.batch], args, name) for name, llm in llms.items()
-    }
+    batches = bench_batches(llms, prompts[: args.batch], args)
     summary = summarize(rows, batches, phases)
 
     machine["load_average_1_5_15_at_end"] = list(os.getloadavg())
@@ -443,6 +461,7 @@ def main(argv: list[str] | None = None) -> None:
         "question_ids": [q["question_id"] for q in questions[: args.num_prompts]],
         "max_tokens": args.max_tokens,
         "batch": args.batch,
+        "batch_rounds": args.batch_rounds,
         "ignore_eos": args.ignore_eos,
         "greedy": True,
         "prefix_caching": args.prefix_caching,
