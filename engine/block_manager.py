@@ -154,7 +154,11 @@ class BlockManager:
         return [i for i in range(first, len(table)) if self.blocks[table[i]].ref_count > 1]
 
     def _allocate_free_block(self) -> int:
-        """The least recently freed block, evicted from the prefix cache, with one reference."""
+        """The first free block, evicted from the prefix cache if it held a prefix, with one
+        reference. Free blocks holding no prefix come first, the most recently freed of them
+        first (its memory is still warm in the CPU's caches: a speculative engine takes and
+        returns draft scratch blocks every step); then those holding one, least recently freed
+        first."""
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
@@ -173,3 +177,5 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_block_ids[block_id] = None
+            if block.hash is None:  # nothing to keep: reuse it first
+                self.free_block_ids.move_to_end(block_id, last=False)

@@ -144,7 +144,7 @@ def test_prefix_caching_disabled() -> None:
     assert manager.find_cached_prefix(make_seq(list(range(9)))).num_tokens == 0
 
 
-def test_eviction_order_least_recently_freed_first_and_prefix_last() -> None:
+def test_eviction_order_uncached_first_then_least_recently_freed_and_prefix_last() -> None:
     manager = BlockManager(5, BLOCK_SIZE)
     tokens = list(range(13))
     seq = computed(manager, tokens)  # blocks 0, 1, 2 full and cached, block 3 partial
@@ -158,15 +158,30 @@ def test_eviction_order_least_recently_freed_first_and_prefix_last() -> None:
         manager.allocate(filler, filler.num_tokens)
         return filler.block_table
 
-    # Never-used block 4 goes first, then the freed blocks from the sequence's end backwards.
-    assert allocate_blocks(1) == [4]
+    # Blocks holding no prefix go first, the most recently freed first (the partial block 3,
+    # then never-used block 4); then the cached blocks, from the sequence's end backwards.
+    assert allocate_blocks(1) == [3]
     assert manager.find_cached_prefix(probe).num_tokens == 12
-    assert allocate_blocks(2) == [3, 2]  # the partial block, then the third cached block
+    assert allocate_blocks(2) == [4, 2]  # the never-used block, then the third cached block
     assert manager.find_cached_prefix(probe).num_tokens == 8
     assert allocate_blocks(1) == [1]
     assert manager.find_cached_prefix(probe).num_tokens == 4
     assert allocate_blocks(1) == [0]
     assert manager.find_cached_prefix(probe).num_tokens == 0
+
+
+def test_blocks_holding_no_prefix_are_reused_before_cached_ones() -> None:
+    """Scratch blocks (a speculative engine's draft room, a sequence's partial last block) have
+    nothing to keep: taking them again first keeps cached prefixes alive longer."""
+    manager = BlockManager(4, BLOCK_SIZE)
+    manager.free(computed(manager, list(range(8))))  # blocks 0 and 1 cached, all 4 free
+    scratch = make_seq(list(range(100, 108)))
+    manager.allocate(scratch, 8)  # blocks 2 and 3
+    manager.free(scratch)  # never computed: they hold no prefix
+    again = make_seq(list(range(200, 208)))
+    manager.allocate(again, 8)
+    assert sorted(again.block_table) == [2, 3]
+    assert manager.find_cached_prefix(make_seq([*range(8), 99])).num_tokens == 8
 
 
 def test_reviving_a_free_cached_block_counts_against_free_blocks() -> None:
