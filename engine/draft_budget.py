@@ -18,9 +18,10 @@ predicts both rates for the step's batch, from the recent value curve (the mean 
 of each sequence's m-th best node, averaged over recent steps) and the drafting time fitted
 against the number of sequences; when drafting does not win, the step decodes plainly without
 drafting. After `probe_interval` plain steps it drafts anyway, so the estimates follow the
-traffic; a probe whose drafts do not pay for their drafting time (at large batches a few nodes
-are nearly free to verify, but drafting for every sequence is not) doubles the wait before the
-next (up to 256 steps), one whose drafts do resets it. On plain steps the head catches up on the
+traffic. A probe whose drafts do not pay for their drafting time (at large batches a few nodes
+are nearly free to verify, but drafting for every sequence is not) sets the wait before the next
+so that probes cost at most 1% of decoding time (about 16 steps at one request, 30 at 16); one
+whose drafts pay resets it to `probe_interval`. On plain steps the head catches up on the
 decoding sequences' new tokens only every 32nd step, in one batch, so that a mostly plain engine
 costs next to nothing over plain decoding.
 
@@ -41,6 +42,7 @@ from engine.verify_cost import VerifyCost
 _DECAY = 0.95  # weight of the past in the running estimates, per observation
 _MAX_SCALE = 4.0  # the start-up measurement is trusted to within this factor
 _MAX_PROBE_INTERVAL = 256  # plain steps
+_PROBE_SHARE = 0.01  # of decoding time, spent on probes whose drafts do not pay
 # Plain steps between the head's catch-ups: each costs a few milliseconds, mostly fixed overhead,
 # so rarer and larger ones cost less (every 8th step, they were two thirds of a plain step's
 # drafting overhead at batch 1).
@@ -117,9 +119,15 @@ class DraftBudget:
             )
             paid = best > 0 and drafted_rate > batch / self._seconds(num_pass_tokens)
             self.interval = (
-                self.probe_interval if paid else min(2 * self.interval, _MAX_PROBE_INTERVAL)
+                self.probe_interval if paid else self._probe_wait(batch, num_pass_tokens)
             )
         return counts.tolist()
+
+    def _probe_wait(self, num_sequences: int, num_pass_tokens: int) -> int:
+        """Plain steps between probes that do not pay, so that they cost `_PROBE_SHARE` of the
+        time: a probe costs its drafting, a plain step its pass."""
+        steps = self._draft_seconds(num_sequences) / (_PROBE_SHARE * self._seconds(num_pass_tokens))
+        return int(min(_MAX_PROBE_INTERVAL, max(self.probe_interval, math.ceil(steps))))
 
     def head_catch_up_due(self) -> bool:
         """Whether this plain step should run the head over the decoding sequences' new tokens

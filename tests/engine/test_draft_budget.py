@@ -102,10 +102,10 @@ def test_measured_cost_grows_with_the_pass(generation_model):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_probes_back_off_while_they_find_nothing_and_reset_when_they_do():
+def test_probes_that_find_nothing_cost_one_percent_and_reset_when_they_find_something():
     budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
     hopeless, good = values(*[[0.01, 0.01]] * 8), values(*[[0.9, 0.9]] * 8)
-    budget.observe_draft(8, 0.005)
+    budget.observe_draft(8, 0.05)  # a probe's drafting: half a plain step (0.108 s)
     assert budget.should_draft(8, 8)  # nothing known yet: a probe
     budget.allocate(hopeless, 8)
     gaps = []
@@ -115,7 +115,7 @@ def test_probes_back_off_while_they_find_nothing_and_reset_when_they_do():
             plain += 1
         gaps.append(plain)
         budget.allocate(hopeless, 8)  # the probe finds nothing worth verifying, again
-    assert gaps == [8, 16, 32]
+    assert gaps == [47, 47, 47]  # 0.05 s of drafting is 1% of 47 plain steps' 5.1 s
     while not budget.should_draft(8, 8):
         pass
     budget.allocate(good, 8)  # this probe does: probe often again
@@ -130,7 +130,7 @@ def test_probes_back_off_when_drafting_costs_more_than_the_drafts_save():
     assert budget.should_draft(16, 16)  # nothing known yet: a probe
     one_good_node_each_in_two = values(*[[0.9, 0.01]] * 2, *[[0.01, 0.01]] * 14)
     assert sum(budget.allocate(one_good_node_each_in_two, 16)) == 2  # worth verifying...
-    assert budget.interval == 8  # ... not worth drafting for: the next probe waits longer
+    assert budget.interval == 44  # ... not worth drafting for: 1% of 44 steps of 0.116 s
 
 
 def test_one_good_probe_after_a_plain_stretch_turns_drafting_back_on():
