@@ -39,7 +39,7 @@ import torch
 
 from engine.verify_cost import VerifyCost
 
-_DECAY = 0.95  # weight of the past in the running estimates, per observation
+_DECAY = 0.95  # weight of the past in the running estimates, per observation (the values: per step)
 _MAX_SCALE = 4.0  # the start-up measurement is trusted to within this factor
 _MAX_PROBE_INTERVAL = 256  # plain steps
 _PROBE_SHARE = 0.01  # of decoding time, spent on probes whose drafts do not pay
