@@ -20,8 +20,9 @@ against the number of sequences; when drafting does not win, the step decodes pl
 drafting. After `probe_interval` plain steps it drafts anyway, so the estimates follow the
 traffic. A probe whose drafts do not pay for their drafting time (at large batches a few nodes
 are nearly free to verify, but drafting for every sequence is not) sets the wait before the next
-so that probes cost at most 1% of decoding time (about 16 steps at one request, 30 at 16); one
-whose drafts pay resets it to `probe_interval`. On plain steps the head catches up on the
+so that probes cost at most 1% of decoding time (the drafting time over 1% of a plain step, at
+least `probe_interval` and at most 256 steps); one whose drafts pay resets it to
+`probe_interval`. On plain steps the head catches up on the
 decoding sequences' new tokens only every 32nd step, in one batch, so that a mostly plain engine
 costs next to nothing over plain decoding.
 
@@ -80,16 +81,10 @@ class DraftBudget:
         gain = self.value_curve.cumsum()  # [M] expected tokens of a sequence's m best nodes
         nodes = np.arange(1, len(gain) + 1)  # [M]
         accepted = num_decoding * self.calibration * gain  # [M] expected accepted drafts
-        drafted_rate = (
-            (num_decoding + accepted)
-            / (
-                self._seconds(num_pass_tokens + num_decoding * nodes)
-                + self._walk_seconds(accepted)
-                + self._draft_seconds(num_decoding)
-            )
+        drafted_rate = self._drafted_rate(
+            num_decoding, accepted, num_decoding * nodes, num_pass_tokens
         ).max(initial=0.0)
-        plain_rate = num_decoding / self._seconds(num_pass_tokens)
-        if drafted_rate > plain_rate:
+        if drafted_rate > self._plain_rate(num_decoding, num_pass_tokens):
             return self._drafts()
         self.plain_steps += 1
         return False
@@ -112,12 +107,8 @@ class DraftBudget:
         counts = torch.bincount(order[:best] // width, minlength=batch)
         if self.probing:  # back off while probes find drafting not worth its cost
             self.probing = False
-            drafted_rate = (batch + expected[best]) / (
-                self._seconds(num_pass_tokens + best)
-                + self._walk_seconds(expected[best])
-                + self._draft_seconds(batch)
-            )
-            paid = best > 0 and drafted_rate > batch / self._seconds(num_pass_tokens)
+            drafted_rate = self._drafted_rate(batch, expected[best], best, num_pass_tokens)
+            paid = best > 0 and drafted_rate > self._plain_rate(batch, num_pass_tokens)
             self.interval = (
                 self.probe_interval if paid else self._probe_wait(batch, num_pass_tokens)
             )
@@ -165,6 +156,19 @@ class DraftBudget:
         else:
             kept = _DECAY ** (1 + self.skipped_steps)
             self.value_curve = kept * self.value_curve + (1 - kept) * mean
+
+    def _drafted_rate(self, num_sequences: int, accepted, num_nodes, num_pass_tokens: int):
+        """Tokens per second of a step that drafts for `num_sequences`, verifies `num_nodes`
+        nodes and accepts `accepted` of them (numbers, or arrays of the same shape)."""
+        seconds = (
+            self._seconds(num_pass_tokens + num_nodes)
+            + self._walk_seconds(accepted)
+            + self._draft_seconds(num_sequences)
+        )
+        return (num_sequences + accepted) / seconds
+
+    def _plain_rate(self, num_sequences: int, num_pass_tokens: int) -> float:
+        return num_sequences / self._seconds(num_pass_tokens)
 
     def _seconds(self, num_tokens):
         """Seconds of a pass of `num_tokens` tokens (a number or an array) on this machine now."""
