@@ -32,6 +32,14 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         return full[len(prefix) :]
 
+    def flush(self, token_ids: list[int]) -> str:
+        """The text still held back at the end of `token_ids` (the tokens of a character cut
+        short, which decode to U+FFFD), for a sequence that ends there."""
+        prefix = self._decode(token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(token_ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(token_ids)
+        return full[len(prefix) :]
+
     def copy(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(
             self.tokenizer, self.skip_special_tokens, self.prefix_offset, self.read_offset

@@ -31,6 +31,7 @@ def append_token(
     if may_stop and params.stop and _truncate_at_stop_string(seq, previous_len):
         return SequenceStatus.FINISHED_STOPPED
     if seq.num_tokens >= request.max_total_tokens:
+        seq.text += seq.detokenizer.flush(seq.token_ids)
         return SequenceStatus.FINISHED_LENGTH
     return None
 

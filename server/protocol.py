@@ -86,7 +86,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
+    # vLLM's chat extras: leave the last (assistant) message open for the model to continue, and
+    # pass extra variables to the chat template (such as Qwen3's `enable_thinking`).
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -52,7 +52,9 @@ def _sampling_params(
             min_p=body.min_p or 0.0,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty or 1.0,
+            repetition_penalty=(
+                1.0 if body.repetition_penalty is None else body.repetition_penalty
+            ),
             logit_bias=logit_bias or None,
             seed=body.seed,
             max_tokens=max_tokens,

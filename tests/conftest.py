@@ -85,7 +85,8 @@ def _byte_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
-    fast.chat_template = (
+    fast.chat_template = (  # `preamble`: a variable for chat_template_kwargs to set
+        "{% if preamble is defined %}{{ preamble }}{% endif %}"
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<s>assistant: {% endif %}"
     )

@@ -51,7 +51,7 @@ async def create_chat_completion(
     _reject_unsupported(body)
     params = chat_sampling_params(body)
     tokenizer = engine.engine.tokenizer
-    prompt = chat_prompt_ids(tokenizer, body.messages, body.add_generation_prompt)
+    prompt = chat_prompt_ids(tokenizer, body)
     state.check_queue(engine)
     request_id, model = random_id("chatcmpl"), state.settings.served_model_name
     streams = start_requests(engine, request_id, [prompt], params)

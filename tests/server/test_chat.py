@@ -287,6 +287,26 @@ def test_multi_turn_conversation(client) -> None:
     assert len(only_text(response)) == 16
 
 
+def test_continue_final_message_extends_the_assistant_turn(client) -> None:
+    start = [("user", "Hello there"), ("assistant", "Gen")]
+    response = greedy(
+        client,
+        messages=[{"role": r, "content": c} for r, c in start],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    # The prompt ends inside the assistant's turn: the template's turn end is cut away.
+    continued = render_chat(start[:1]) + "Gen"
+    assert response.usage.prompt_tokens == prompt_tokens_of(continued)
+    assert len(only_text(response)) == 16
+
+
+def test_chat_template_kwargs_reach_the_template(client) -> None:
+    plain = greedy(client)
+    with_kwargs = greedy(client, extra_body={"chat_template_kwargs": {"preamble": "Be brief. "}})
+    assert with_kwargs.usage.prompt_tokens == plain.usage.prompt_tokens + len("Be brief. ")
+    assert only_text(with_kwargs) != only_text(plain)
+
+
 def test_content_as_a_list_of_text_parts(client) -> None:
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]
     as_parts = greedy(client, messages=[{"role": "user", "content": parts}])

@@ -174,3 +174,9 @@ def test_list_models(client, tiny_server) -> None:
     with tiny_server.http() as http:
         raw = http.get("/v1/models").json()
     assert raw["object"] == "list"
+
+
+def test_retrieve_model(client) -> None:
+    card = client.models.retrieve(TINY_NAME)
+    assert (card.id, card.object) == (TINY_NAME, "model")
+    assert card == client.models.list().data[0]

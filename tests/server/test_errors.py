@@ -48,6 +48,13 @@ def chat_body(**fields) -> dict:
         ({"temperature": "hot"}, "temperature"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        (
+            {"continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message",  # the last message is the user's
+        ),
+        ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
     ],
 )
 def test_invalid_values_are_400(tiny_server, fields, param) -> None:
@@ -142,6 +149,7 @@ def test_non_text_content_parts_are_rejected(tiny_server) -> None:
         ("POST", CHAT, chat_body()),
         ("POST", "/v1/completions", {"model": TINY_NAME, "prompt": "hi", "max_tokens": 2}),
         ("GET", "/v1/models", None),
+        ("GET", f"/v1/models/{TINY_NAME}", None),
     ],
 )
 @pytest.mark.parametrize(
@@ -198,6 +206,9 @@ def test_unknown_model_is_404(tiny_server, client) -> None:
         assert "gpt-4o" in error["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=HELLO, max_tokens=2)
+    with pytest.raises(openai.NotFoundError) as retrieved:
+        client.models.retrieve("gpt-4o")
+    assert retrieved.value.body["code"] == "model_not_found"
 
 
 def test_unknown_route_and_method(tiny_server) -> None:
