@@ -13,7 +13,6 @@ sit at root + (d - 1) * k + r. It is draft-only: the next catch-up overwrites it
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +25,11 @@ from engine.draft_budget import DraftBudget
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, logits_context, sample_one_each
 from engine.layers.packed_linear import PackedLinear, can_pack
-from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
+from engine.layers.paged_attention import (
+    SequenceAttention,
+    build_attention_metadata,
+    new_token_slots,
+)
 from engine.logits_processing import apply_penalties, target_probabilities, token_logprobs
 from engine.model_runner import ForwardOutput
 from engine.models.decoder import DecoderModel
@@ -40,7 +43,7 @@ _FREE_LOGITS_ROWS = 8
 
 
 @dataclass
-class _HeadRows:
+class _TreeRows:
     """A sequence's head rows of this step: the candidate behind each, and their ancestor mask."""
 
     candidates: list[int] = field(default_factory=list)
@@ -49,6 +52,27 @@ class _HeadRows:
     def add(self, nodes: list[int], parents: list[int]) -> None:
         self.mask = _extend_ancestors(self.mask, self.candidates, parents)
         self.candidates += nodes
+
+
+@dataclass
+class _HeadRows:
+    """Catch-up rows for one head pass: per sequence a run of positions [start, end), row i
+    reading token i + 1 and the target's feature at i."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)  # [end - start, hidden] each
+    attention: list[SequenceAttention] = field(default_factory=list)
+
+    def add(self, seq: Sequence, start: int, end: int, features: torch.Tensor) -> None:
+        if end <= start:
+            return
+        self.seq_ids.append(seq.seq_id)
+        self.ids += seq.token_ids[start + 1 : end + 1]
+        self.positions += range(start, end)
+        self.features.append(features)
+        self.attention.append(SequenceAttention(seq.block_table, start, end - start))
 
 
 @dataclass(frozen=True)
@@ -98,35 +122,40 @@ class EagleDrafter:
         if not drafts or not drafting:
             return {}
         root_features = torch.stack([roots[item.seq.seq_id] for item in drafting])  # [B, hidden]
-        started = time.perf_counter()
         trees = self._grow(drafting, root_features, batch.num_new_tokens)
-        if self.budget is not None:
-            self.budget.observe_draft(len(drafting), time.perf_counter() - started)
         return {item.seq.seq_id: tree for item, tree in zip(drafting, trees) if tree is not None}
 
     def _catch_up(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
         """Run the head over each sequence's pending rows; return the last row's output [hidden]
-        per sequence whose rows reached its newest token (it can draft from there)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        features, attention, last_rows = [], [], {}
+        per sequence whose rows reached its newest token (it can draft from there). No other
+        row's output is read, so those rows only store their K/V (`EagleHead.store_kv`)."""
+        stored, newest = _HeadRows(), _HeadRows()
         for seq in seqs:
             start = seq.num_head_computed_tokens
             end = min(seq.num_computed_tokens, seq.num_tokens - 1)
             if end <= start:
                 continue
-            ids += seq.token_ids[start + 1 : end + 1]  # row i reads token i + 1 ...
-            features.append(seq.pending_features[: end - start])  # ... and the feature at i
-            positions += range(start, end)
-            attention.append(SequenceAttention(seq.block_table, start, end - start))
-            if end == seq.num_tokens - 1:
-                last_rows[seq.seq_id] = len(ids) - 1
+            features = seq.pending_features[: end - start]  # [end - start, hidden]
+            last = end - 1 if end == seq.num_tokens - 1 else end  # the newest token's row, if here
+            stored.add(seq, start, last, features[: last - start])
+            newest.add(seq, last, end, features[last - start :])
             seq.pending_features = seq.pending_features[end - start :]
             seq.num_head_computed_tokens = end
-        if not ids:
+        if stored.seq_ids:
+            self.head.store_kv(
+                torch.tensor(stored.ids, device=self.device),
+                torch.cat(stored.features),
+                torch.tensor(stored.positions, device=self.device),
+                self.kv_cache,
+                new_token_slots(stored.attention, self.block_size, self.device),
+                self.target.embed_tokens,
+            )
+        if not newest.seq_ids:
             return {}
-        hidden = self._run_head(ids, torch.cat(features), positions, attention)  # [T, hidden]
-        return {seq_id: hidden[row] for seq_id, row in last_rows.items()}
+        hidden = self._run_head(
+            newest.ids, torch.cat(newest.features), newest.positions, newest.attention
+        )  # [B, hidden]
+        return dict(zip(newest.seq_ids, hidden))
 
     def _grow(
         self, items: list[ScheduledSequence], root_features: torch.Tensor, num_pass_tokens: int
@@ -138,7 +167,7 @@ class EagleDrafter:
         )
         sources = root_features[:, None, :].expand(-1, k, -1)  # [B, M, hidden] drafting feature
         depths = [self._depth_for(item.num_lookahead) for item in items]
-        rows = [_HeadRows() for _ in range(batch)]
+        rows = [_TreeRows() for _ in range(batch)]
         for layer in range(1, max(depths)):
             active = [b for b in range(batch) if depths[b] > layer]
             chosen = candidates.newest_layer_best(k)  # [B, k] candidate indices

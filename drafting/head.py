@@ -92,10 +92,28 @@ class EagleHead(nn.Module):
         meta: AttentionMetadata,
         target_embedding: nn.Embedding,
     ) -> torch.Tensor:  # [T, hidden] the predicted next features
-        embedding = (self.embed_tokens or target_embedding)(input_ids)  # [T, hidden]
-        x = self.fc(torch.cat((embedding, features.to(embedding.dtype)), dim=-1))  # [T, hidden]
+        x = self._layer_input(input_ids, features, target_embedding)  # [T, hidden]
         x = x + self.self_attn(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def store_kv(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        features: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,  # [T]
+        target_embedding: nn.Embedding,
+    ) -> None:
+        """Only the K/V that `forward` would write for these rows. The head's one layer has no
+        input norm, so its K/V depend on fc's output alone: rows whose predicted feature no one
+        reads skip attention, o_proj and the MLP."""
+        x = self._layer_input(input_ids, features, target_embedding)  # [T, hidden]
+        self.self_attn.store_kv(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, slot_mapping)
+
+    def _layer_input(self, input_ids, features, target_embedding) -> torch.Tensor:  # [T, hidden]
+        embedding = (self.embed_tokens or target_embedding)(input_ids)  # [T, hidden]
+        return self.fc(torch.cat((embedding, features.to(embedding.dtype)), dim=-1))
 
 
 def load_head(

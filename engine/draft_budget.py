@@ -13,18 +13,22 @@ one does). The budget keeps the N nodes of highest value across all sequences, w
 that rate; N = 0 is plain decoding. A child's value never exceeds its parent's, so each
 sequence's kept nodes form a tree.
 
-Drafting costs time too, spent before the values are known. So before drafting, the budget
-predicts both rates for the step's batch, from the recent value curve (the mean calibrated value
-of each sequence's m-th best node, averaged over recent steps) and the drafting time fitted
-against the number of sequences; when drafting does not win, the step decodes plainly without
-drafting. After `probe_interval` plain steps it drafts anyway, so the estimates follow the
-traffic. A probe whose drafts do not pay for their drafting time (at large batches a few nodes
-are nearly free to verify, but drafting for every sequence is not) sets the wait before the next
-so that probes cost at most 1% of decoding time (the drafting time over 1% of a plain step, at
-least `probe_interval` and at most 256 steps); one whose drafts pay resets it to
-`probe_interval`. On plain steps the head catches up on the
-decoding sequences' new tokens only every 32nd step, in one batch, so that a mostly plain engine
-costs next to nothing over plain decoding.
+Drafting costs time too, spent before the values are known. So before drafting, the budget predicts
+both rates for the step's batch, from the recent value curve (the mean calibrated value of each
+sequence's m-th best node, averaged over recent steps) and the drafting cost fitted against the
+number of sequences; when drafting does not win, the step decodes plainly without drafting. That
+cost is measured on whole steps: the time a drafting step spends outside its target pass, less what
+a plain step of as many sequences spends there (fitted the same way; until a plain step is seen,
+nothing is subtracted, which errs towards plain steps, and they supply the measurement). So it holds
+everything speculation adds around the pass (the head's catch-up and drafting, the trees' attention
+masks, the acceptance walk, moving accepted K/V), however the machine runs them at the moment. After
+`probe_interval` plain steps it drafts anyway, so the estimates follow the traffic. A probe whose
+drafts do not pay for their drafting time (at large batches a few nodes are nearly free to verify,
+but drafting for every sequence is not) sets the wait before the next so that probes cost at most 1%
+of decoding time (the drafting time over 1% of a plain step, at least `probe_interval` and at most
+256 steps); one whose drafts pay resets it to `probe_interval`. On plain steps the head catches up
+on the decoding sequences' new tokens only every 32nd step, in one batch, so that a mostly plain
+engine costs next to nothing over plain decoding.
 
 Which nodes are verified depends only on the drafts, never on the target's answer, so the
 acceptance rule stays lossless.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,6 +55,16 @@ _PROBE_SHARE = 0.01  # of decoding time, spent on probes whose drafts do not pay
 _CATCH_UP_EVERY = 32
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a finished step took and gave, for `DraftBudget.observe_step`."""
+
+    seconds: float  # the whole step
+    pass_seconds: float  # its target pass
+    num_decoding: int  # decoding sequences (prefill chunks aside)
+    prefilled: bool  # whether it also computed prompt tokens
+
+
 class DraftBudget:
     def __init__(self, verify_cost: VerifyCost, probe_interval: int = 16) -> None:
         self.verify_cost = verify_cost
@@ -61,6 +76,10 @@ class DraftBudget:
         self.value_curve: np.ndarray | None = None  # [M] mean exp(value) of the m-th best node
         self.draft_fit = (0.0, 0.0)  # seconds of drafting = a + b * sequences
         self.draft_times: deque[tuple[int, float]] = deque(maxlen=64)  # (sequences, seconds)
+        # a plain step's seconds outside its pass = a + b * sequences (None: none measured yet)
+        self.plain_fit: tuple[float, float] | None = None
+        self.plain_times: deque[tuple[int, float]] = deque(maxlen=64)  # (sequences, seconds)
+        self.drafted_sequences = 0  # sequences this step drafted for (set by `allocate`)
         self.plain_steps = 0  # steps decoded plainly since the last draft
         self.skipped_steps = 0  # plain steps between the last two drafts
 
@@ -95,6 +114,7 @@ class DraftBudget:
         probs = values.exp()  # [B, M]
         self._observe_values(probs)
         batch, width = probs.shape
+        self.drafted_sequences = batch
         flat = probs.flatten() * self.calibration  # [B * M]
         order = flat.argsort(descending=True, stable=True)  # a row's nodes stay in rank order
         order = order[flat[order] > 0]  # [K] the nodes that may be kept
@@ -131,9 +151,26 @@ class DraftBudget:
         scale = _DECAY * self.verify_scale + (1 - _DECAY) * ratio
         self.verify_scale = min(_MAX_SCALE, max(1 / _MAX_SCALE, scale))
 
+    def observe_step(self, step: StepOutcome) -> None:
+        """A finished step. A drafting step's seconds outside its pass, less what a plain step
+        of as many sequences spends there on average (its share of the head's catch-ups
+        included), are its drafting cost. Steps that also prefilled are left out: the head's
+        prefill of the prompt would count as drafting."""
+        drafted, self.drafted_sequences = self.drafted_sequences, 0
+        if step.prefilled or not step.num_decoding:
+            return
+        outside_pass = step.seconds - step.pass_seconds
+        if not drafted:
+            self.plain_times.append((step.num_decoding, outside_pass))
+            self.plain_fit = _fit_line(self.plain_times)
+            return
+        # Before any plain step nothing is subtracted (plain steps follow if that is too dear).
+        plain = _line(self.plain_fit or (0.0, 0.0), step.num_decoding)
+        self.observe_draft(drafted, max(0.0, outside_pass - plain))
+
     def observe_draft(self, num_sequences: int, seconds: float) -> None:
         self.draft_times.append((num_sequences, seconds))
-        self.draft_fit = self._fit_draft_times()
+        self.draft_fit = _fit_line(self.draft_times)
 
     def observe_acceptance(self, expected: float, accepted: int) -> None:
         """Tokens the verified drafts were expected to add (sum of exp(value)), and added."""
@@ -159,12 +196,9 @@ class DraftBudget:
 
     def _drafted_rate(self, num_sequences: int, accepted, num_nodes, num_pass_tokens: int):
         """Tokens per second of a step that drafts for `num_sequences`, verifies `num_nodes`
-        nodes and accepts `accepted` of them (numbers, or arrays of the same shape)."""
-        seconds = (
-            self._seconds(num_pass_tokens + num_nodes)
-            + self._walk_seconds(accepted)
-            + self._draft_seconds(num_sequences)
-        )
+        nodes and accepts `accepted` of them (numbers, or arrays of the same shape). The measured
+        drafting cost includes the acceptance walk."""
+        seconds = self._seconds(num_pass_tokens + num_nodes) + self._draft_seconds(num_sequences)
         return (num_sequences + accepted) / seconds
 
     def _plain_rate(self, num_sequences: int, num_pass_tokens: int) -> float:
@@ -181,20 +215,25 @@ class DraftBudget:
         return self.verify_cost.logits(num_accepted) * self.verify_scale
 
     def _draft_seconds(self, num_sequences: int) -> float:
-        intercept, slope = self.draft_fit
-        return intercept + slope * num_sequences
+        return _line(self.draft_fit, num_sequences)
 
-    def _fit_draft_times(self) -> tuple[float, float]:
-        """Drafting time against sequences, by least squares over recent drafts (a + b * B)."""
-        sizes = [b for b, _ in self.draft_times]
-        times = [t for _, t in self.draft_times]
-        mean_size, mean_time = sum(sizes) / len(sizes), sum(times) / len(times)
-        spread = sum((b - mean_size) ** 2 for b in sizes)
-        if spread < 1e-9:
-            return mean_time, 0.0
-        covariance = sum((b - mean_size) * (t - mean_time) for b, t in zip(sizes, times))
-        slope = max(0.0, covariance / spread)
-        return max(0.0, mean_time - slope * mean_size), slope
+
+def _line(fit: tuple[float, float], num_sequences: int) -> float:
+    intercept, slope = fit
+    return intercept + slope * num_sequences
+
+
+def _fit_line(samples: deque[tuple[int, float]]) -> tuple[float, float]:
+    """Seconds against sequences, by least squares over recent steps (a + b * sequences)."""
+    sizes = [b for b, _ in samples]
+    times = [t for _, t in samples]
+    mean_size, mean_time = sum(sizes) / len(sizes), sum(times) / len(times)
+    spread = sum((b - mean_size) ** 2 for b in sizes)
+    if spread < 1e-9:
+        return mean_time, 0.0
+    covariance = sum((b - mean_size) * (t - mean_time) for b, t in zip(sizes, times))
+    slope = max(0.0, covariance / spread)
+    return max(0.0, mean_time - slope * mean_size), slope
 
 
 def expected_tokens(values: list[float]) -> float:

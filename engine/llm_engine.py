@@ -19,7 +19,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.draft_budget import DraftBudget, expected_tokens
+from engine.draft_budget import DraftBudget, StepOutcome, expected_tokens
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, AutoregressiveDrafter, Drafter
 from engine.errors import InvalidRequestError
@@ -202,7 +202,10 @@ class LLMEngine:
         decided = time.perf_counter()
         outputs = self._commit(batch, accepted, verified)  # commit
         if self.budget is not None:
-            self._inform_budget(batch, trees, accepted, executed - proposed)
+            pass_seconds, step_seconds = executed - proposed, time.perf_counter() - start
+            self._inform_budget(
+                batch, trees, accepted, pass_seconds, step_seconds, num_prompt_tokens > 0
+            )
         timings = (proposed - start, checked - proposed, decided - checked)
         budget = None
         if self.budget is not None and any(item.num_lookahead for item in batch.scheduled):
@@ -216,6 +219,8 @@ class LLMEngine:
         trees: dict[int, DraftTree],
         verdicts: list[_Verdict],
         verify_seconds: float,
+        step_seconds: float,
+        prefilled: bool,
     ) -> None:
         num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
         self.budget.observe_verify(batch.num_new_tokens + num_draft_tokens, verify_seconds)
@@ -225,6 +230,14 @@ class LLMEngine:
                 sum(expected_tokens(v.tree.values[1:]) for v in drafted),
                 sum(len(v.accepted.accepted_nodes) for v in drafted),
             )
+        self.budget.observe_step(
+            StepOutcome(
+                seconds=step_seconds,
+                pass_seconds=verify_seconds,
+                num_decoding=sum(1 for item in batch.scheduled if item.num_lookahead),
+                prefilled=prefilled,
+            )
+        )
 
     def _record_verified(
         self, batch: SchedulerOutput, trees: dict[int, DraftTree], verified: ForwardOutput

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.layers.norm import RMSNorm
-from engine.layers.paged_attention import AttentionMetadata, paged_attention
+from engine.layers.paged_attention import AttentionMetadata, paged_attention, store_kv
 from engine.layers.rotary import apply_rotary
 
 
@@ -36,6 +36,24 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KV, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
+        q, k, v = self._project(x, cos_sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H * D]
+        return self.o_proj(out)
+
+    def store_kv(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [T, 1, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KV, D]
+        slot_mapping: torch.Tensor,  # [T]
+    ) -> None:
+        """Write the K/V of `x`'s tokens to the cache without attending: for tokens whose
+        output no one reads, only later tokens' attention to them."""
+        _, k, v = self._project(x, cos_sin)
+        store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+
+    def _project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """q [T, H, D], k [T, KV, D] (normed and rotated) and v [T, KV, D] of `x` [T, hidden]."""
         num_tokens, num_heads, num_kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # [T, (H + 2 * KV) * D]
         split = (num_heads + num_kv_heads) * self.head_dim
@@ -45,5 +63,4 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])), dim=1)
         qk = apply_rotary(qk, *cos_sin)  # [T, H + KV, D]: q and k rotated in one pass
         q, k = qk.split([num_heads, num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H * D]
-        return self.o_proj(out)
+        return q, k, v

@@ -212,6 +212,31 @@ def _apply_tree_masks(mask: torch.Tensor, sequences: list[SequenceAttention]) ->
             mask[row, : s.num_new, end - s.tree_mask.shape[1] : end] = s.tree_mask
 
 
+def new_token_slots(
+    sequences: list[SequenceAttention], block_size: int, device: torch.device
+) -> torch.Tensor:  # [T] flat cache slot of each new token, sequence by sequence
+    """Where the new tokens' K/V goes, for a pass that only stores it (no attention)."""
+    num_new = torch.tensor([s.num_new for s in sequences])  # [B]
+    return _new_token_slots(
+        _block_tables(sequences, block_size),
+        torch.tensor([s.num_cached for s in sequences]),
+        num_new,
+        torch.cumsum(num_new, 0) - num_new,
+        block_size,
+    ).to(device)
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, KV, D]
+    v: torch.Tensor,  # [T, KV, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)  # [num_slots, KV, D]
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KV, D]
@@ -221,10 +246,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H * D]
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, KV, D]
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat.index_copy_(0, meta.slot_mapping, k)
-    v_flat.index_copy_(0, meta.slot_mapping, v)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     outputs = [_group_attention(q, k, k_cache, v_cache, group, scale) for group in meta.groups]
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, H * D] group by group
     return out if meta.token_order is None else out[meta.token_order]

@@ -12,6 +12,11 @@ from safetensors.torch import load_file, save_file
 from drafting.head import load_head
 from engine import LLM, SamplingParams
 from engine.errors import ModelLoadError
+from engine.layers.paged_attention import (
+    SequenceAttention,
+    build_attention_metadata,
+    new_token_slots,
+)
 from engine.model_files import load_config
 from engine.models.spec import ModelSpec
 
@@ -119,3 +124,28 @@ def test_step_statistics_report_speculation(bigram_target, trained_head):
     emitted = sum(r.num_generation_tokens for r in records)
     assert emitted == len(output.outputs[0].token_ids)
     assert output.metrics.num_decode_steps == len(drafted)
+
+
+def test_store_kv_writes_what_the_full_pass_writes(bigram_target, random_head) -> None:
+    head = load(random_head, bigram_target)
+    spec, block_size, num_rows = head.spec, 4, 7
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(spec.vocab_size, spec.hidden_size)
+    ids = torch.randint(spec.vocab_size, (num_rows,))
+    features = torch.randn(num_rows, spec.hidden_size)
+    positions = torch.arange(5, 5 + num_rows)
+    rows = [SequenceAttention([2, 0, 3, 1], 5, num_rows)]  # blocks out of order, rows mid-block
+
+    def empty_cache():
+        shape = (4, block_size, spec.num_kv_heads, spec.head_dim)
+        return torch.zeros(shape), torch.zeros(shape)
+
+    full, stored = empty_cache(), empty_cache()
+    meta = build_attention_metadata(rows, block_size, torch.device("cpu"))
+    with torch.inference_mode():
+        head(ids, features, positions, full, meta, embedding)
+        slots = new_token_slots(rows, block_size, torch.device("cpu"))
+        head.store_kv(ids, features, positions, stored, slots, embedding)
+    assert torch.equal(slots, meta.slot_mapping)
+    assert full[0].abs().sum() > 0 and full[1].abs().sum() > 0
+    torch.testing.assert_close(stored, full, rtol=0, atol=0)

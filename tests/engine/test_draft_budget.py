@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.draft_budget import DraftBudget
+from engine.draft_budget import DraftBudget, StepOutcome
 from engine.verify_cost import VerifyCost, measure_verify_cost
 from tests.engine.helpers import tiny_engine
 
@@ -20,6 +20,16 @@ def linear_cost(base: float, per_token: float) -> VerifyCost:
 def values(*rows: list[float]) -> torch.Tensor:
     """[B, M] path log-probabilities from acceptance probabilities (0: may not keep)."""
     return torch.tensor([[math.log(p) if p else -math.inf for p in row] for row in rows])
+
+
+def step(outside_pass: float, num_decoding: int = 4, prefilled=False) -> StepOutcome:
+    """A step whose pass took 0.1 s and which spent `outside_pass` seconds around it."""
+    return StepOutcome(0.1 + outside_pass, 0.1, num_decoding, prefilled)
+
+
+def measure_a_plain_step(budget: DraftBudget, num_sequences: int, seconds: float) -> None:
+    """A plain step that spent `seconds` outside its pass: drafting steps are weighed against it."""
+    budget.observe_step(step(seconds, num_sequences))
 
 
 def test_verify_cost_interpolates_and_extends_the_last_slope():
@@ -156,3 +166,37 @@ def test_plain_steps_catch_the_head_up_every_32nd_step():
         assert not budget.should_draft(2, 2)
         due.append(budget.head_catch_up_due())
     assert due == [i % 32 == 31 for i in range(64)]
+
+
+def test_drafting_cost_is_what_a_drafting_step_adds_outside_the_pass():
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=1)
+    assert budget.should_draft(4, 4)  # nothing known yet: a probe
+    budget.allocate(values(*[[0.5, 0.5]] * 4), 4)  # drafting for 4 sequences ...
+    budget.observe_step(step(0.032))  # ... spent 32 ms outside the pass
+    assert budget._draft_seconds(4) == pytest.approx(0.032)  # no plain step to weigh it against
+    measure_a_plain_step(budget, 2, 0.001)
+    measure_a_plain_step(budget, 6, 0.003)  # a plain step: 0.5 ms a sequence outside its pass
+    assert budget.plain_fit == (pytest.approx(0.0), pytest.approx(0.0005))
+    assert budget.should_draft(4, 4)
+    budget.allocate(values(*[[0.5, 0.5]] * 4), 4)
+    budget.observe_step(step(0.032))
+    assert budget.draft_times[-1] == (4, pytest.approx(0.030))  # 2 ms of it a plain step's
+    assert budget.should_draft(4, 4)
+    budget.allocate(values(*[[0.5, 0.5]] * 4), 4)
+    budget.observe_step(step(0.5, prefilled=True))  # a step that prefilled a prompt chunk too
+    assert len(budget.draft_times) == 2
+
+
+def test_a_drafting_cost_measured_on_whole_steps_turns_a_losing_batch_plain():
+    """Verifying is cheap here and the drafts are fair: drafting for four sequences pays if it
+    costs 5 ms a step, and loses if the whole step spends 40 ms around its pass."""
+
+    def after_a_probe_costing(seconds: float) -> bool:
+        budget = DraftBudget(linear_cost(0.06, 0.001), probe_interval=1000)
+        assert budget.should_draft(4, 4)  # nothing known yet: a probe
+        budget.allocate(values(*[[0.45, 0.25]] * 4), 4)
+        budget.observe_step(step(seconds))
+        return budget.should_draft(4, 4)
+
+    assert after_a_probe_costing(0.005)
+    assert not after_a_probe_costing(0.040)
