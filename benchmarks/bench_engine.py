@@ -56,6 +56,8 @@ from engine.model_files import resolve_model_path
 from engine.shipped_heads import resolve_draft
 from engine.stats import StepStats
 
+from plotting import png_figure
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
@@ -370,11 +372,6 @@ def print_summary(rows: list[dict], summary: dict) -> None:
 
 
 def plot(summary: dict, machine: dict, settings: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     s = summary
     labels = ["transformers\nbatch 1", "Aerie AR\nbatch 1", f"Aerie AR\nbatch {s['batch']}"]
     values = [s["hf_batch1_tok_s"], s["aerie_batch1_tok_s"], s["aerie_batch_tok_s"]]
@@ -391,32 +388,29 @@ def plot(summary: dict, machine: dict, settings: dict, path: Path) -> None:
             f"{s['spec_acceptance_length_batch1']:.2f}",
             f"{s['spec_over_aerie_batch']:.2f}x AR\naccept {s['spec_acceptance_length_batch']:.2f}",
         ]
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    colors = ["#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
-    bars = ax.bar(labels, values, color=colors[: len(values)])
-    for bar, value, note in zip(bars, values, notes):
-        text = f"{value:.1f} tok/s" + (f"\n{note}" if note else "")
-        ax.annotate(
-            text,
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            xytext=(0, 3),
-            textcoords="offset points",
+    with png_figure(path, figsize=(9, 4.8)) as ax:
+        colors = ["#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+        bars = ax.bar(labels, values, color=colors[: len(values)])
+        for bar, value, note in zip(bars, values, notes):
+            text = f"{value:.1f} tok/s" + (f"\n{note}" if note else "")
+            ax.annotate(
+                text,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                xytext=(0, 3),
+                textcoords="offset points",
+                fontsize=9,
+            )
+        ax.set_ylabel("output tokens/s")
+        ax.set_ylim(0, max(values) * 1.25)
+        ax.set_title(
+            f"{MODEL} fp32, greedy, {settings['max_tokens']} new tokens, "
+            f"{s['num_prompts']} MT-bench prompts\n"
+            f"{machine['cpu_model']}, {machine['torch_threads']} threads; "
+            f"identical outputs {s['identical_outputs']}/{s['num_prompts']}",
             fontsize=9,
         )
-    ax.set_ylabel("output tokens/s")
-    ax.set_ylim(0, max(values) * 1.25)
-    ax.set_title(
-        f"{MODEL} fp32, greedy, {settings['max_tokens']} new tokens, "
-        f"{s['num_prompts']} MT-bench prompts\n"
-        f"{machine['cpu_model']}, {machine['torch_threads']} threads; "
-        f"identical outputs {s['identical_outputs']}/{s['num_prompts']}",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,8 @@ from tqdm import tqdm
 from engine import LLM, SamplingParams
 from engine.stats import StepStats
 
+from plotting import png_figure
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
@@ -120,25 +122,17 @@ def main() -> None:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    batches = [r["batch"] for r in results]
-    axes.plot(batches, [r["eagle_over_ar"] for r in results], "o-", label="EAGLE / AR tokens/s")
-    axes.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    axes.set_xscale("log", base=2)
-    axes.set_xticks(batches, [str(b) for b in batches])
-    axes.set_xlabel("requests decoding at once")
-    axes.set_ylabel("EAGLE (adaptive budget) / AR")
-    axes.set_title("Speculation under load, engines in turns (SmolLM2-135M, fp32, CPU)")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with png_figure(path) as axes:
+        batches = [r["batch"] for r in results]
+        axes.plot(batches, [r["eagle_over_ar"] for r in results], "o-", label="EAGLE / AR tokens/s")
+        axes.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(batches, [str(b) for b in batches])
+        axes.set_xlabel("requests decoding at once")
+        axes.set_ylabel("EAGLE (adaptive budget) / AR")
+        axes.set_title("Speculation under load, engines in turns (SmolLM2-135M, fp32, CPU)")
+        axes.grid(alpha=0.3)
+        axes.legend()
 
 
 if __name__ == "__main__":

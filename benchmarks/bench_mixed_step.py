@@ -26,6 +26,8 @@ from tqdm import tqdm
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.llm import LLM
 
+from plotting import png_figure
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16
 CONTEXT = 300  # cached tokens of each decoding sequence
@@ -95,28 +97,20 @@ def timed_pass(runner, sequences: list[SequenceAttention], group_queries: bool) 
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    batches = [r["decoding_sequences"] for r in results]
-    for key, label in (
-        ("one_group", "one SDPA call (queries padded to the chunk)"),
-        ("grouped", "attention groups (default)"),
-        ("apart", "decodes and chunk in separate passes"),
-    ):
-        axes.plot(batches, [r[key] for r in results], "o-", label=label)
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("decoding sequences beside one 256-token prefill chunk")
-    axes.set_ylabel("forward pass (ms, best of 5)")
-    axes.set_title("A mixed continuous-batching step, SmolLM2-135M fp32 on CPU")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with png_figure(path) as axes:
+        batches = [r["decoding_sequences"] for r in results]
+        for key, label in (
+            ("one_group", "one SDPA call (queries padded to the chunk)"),
+            ("grouped", "attention groups (default)"),
+            ("apart", "decodes and chunk in separate passes"),
+        ):
+            axes.plot(batches, [r[key] for r in results], "o-", label=label)
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("decoding sequences beside one 256-token prefill chunk")
+        axes.set_ylabel("forward pass (ms, best of 5)")
+        axes.set_title("A mixed continuous-batching step, SmolLM2-135M fp32 on CPU")
+        axes.grid(alpha=0.3)
+        axes.legend()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from tqdm import tqdm
 from engine import LLM, SamplingParams
 from engine.shipped_heads import resolve_draft
 
+from plotting import png_figure
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
@@ -135,29 +137,21 @@ def main() -> None:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for top_k, depth in sorted({(r["top_k"], r["depth"]) for r in results}):
-        rows = sorted(
-            (r for r in results if (r["top_k"], r["depth"]) == (top_k, depth)),
-            key=lambda r: r["total_tokens"],
-        )
-        label = f"top_k {top_k}, depth {depth}"
-        totals = [r["total_tokens"] for r in rows]
-        left.plot(totals, [r["acceptance_length"] for r in rows], marker="o", label=label)
-        right.plot(totals, [r["speedup"] for r in rows], marker="o", label=label)
-    left.set(xlabel="total_tokens (tree nodes verified)", ylabel="mean acceptance length")
-    right.set(xlabel="total_tokens (tree nodes verified)", ylabel="speedup over AR (batch 1)")
-    right.axhline(1.0, color="grey", linewidth=0.8)
-    right.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{MODEL}: EAGLE-2 tree shapes, greedy MT-bench first turns, batch 1")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with png_figure(path, ncols=2, figsize=(11, 4.5)) as (left, right):
+        for top_k, depth in sorted({(r["top_k"], r["depth"]) for r in results}):
+            rows = sorted(
+                (r for r in results if (r["top_k"], r["depth"]) == (top_k, depth)),
+                key=lambda r: r["total_tokens"],
+            )
+            label = f"top_k {top_k}, depth {depth}"
+            totals = [r["total_tokens"] for r in rows]
+            left.plot(totals, [r["acceptance_length"] for r in rows], marker="o", label=label)
+            right.plot(totals, [r["speedup"] for r in rows], marker="o", label=label)
+        left.set(xlabel="total_tokens (tree nodes verified)", ylabel="mean acceptance length")
+        right.set(xlabel="total_tokens (tree nodes verified)", ylabel="speedup over AR (batch 1)")
+        right.axhline(1.0, color="grey", linewidth=0.8)
+        right.legend(fontsize=7, ncol=2)
+        left.figure.suptitle(f"{MODEL}: EAGLE-2 tree shapes, greedy MT-bench first turns, batch 1")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from engine.layers.packed_linear import PackedLinear
 from engine.layers.weight_layout import column_major
 from engine.llm import LLM
 
+from plotting import png_figure
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {  # name: (tokens in the pass, tokens per sequence) for each N
     "one sequence, N tokens": [(n, n) for n in (1, 2, 3, 4, 8, 16, 32)],
@@ -105,27 +107,21 @@ def main() -> None:
 
 
 def plot(results: dict, formats: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, panels = plt.subplots(1, len(results), figsize=(11, 4.2))
-    for axes, (shape, rows) in zip(panels, results.items()):
-        for name in formats:
-            axes.plot(
-                [r["tokens"] for r in rows], [r[f"{name}_ms"] for r in rows], "o-", label=name
-            )
-        axes.set_xscale("log", base=2)
-        axes.set_xlabel("N")
-        axes.set_ylabel("ms per pass")
-        axes.set_title(shape)
-        axes.grid(alpha=0.3)
-        axes.legend()
-    figure.suptitle("Target passes of the default model on CPU, by linear-weight format")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with png_figure(path, ncols=len(results), figsize=(11, 4.2)) as panels:
+        for axes, (shape, rows) in zip(panels, results.items()):
+            for name in formats:
+                axes.plot(
+                    [r["tokens"] for r in rows], [r[f"{name}_ms"] for r in rows], "o-", label=name
+                )
+            axes.set_xscale("log", base=2)
+            axes.set_xlabel("N")
+            axes.set_ylabel("ms per pass")
+            axes.set_title(shape)
+            axes.grid(alpha=0.3)
+            axes.legend()
+        panels[0].figure.suptitle(
+            "Target passes of the default model on CPU, by linear-weight format"
+        )
 
 
 if __name__ == "__main__":
