@@ -76,12 +76,17 @@ class DraftBudget:
         self.value_curve: np.ndarray | None = None  # [M] mean exp(value) of the m-th best node
         self.draft_fit = (0.0, 0.0)  # seconds of drafting = a + b * sequences
         self.draft_times: deque[tuple[int, float]] = deque(maxlen=64)  # (sequences, seconds)
-        # a plain step's seconds outside its pass = a + b * sequences (None: none measured yet)
-        self.plain_fit: tuple[float, float] | None = None
-        self.plain_times: deque[tuple[int, float]] = deque(maxlen=64)  # (sequences, seconds)
+        # plain steps' seconds outside their pass: (sequences, seconds)
+        self.plain_times: deque[tuple[int, float]] = deque(maxlen=64)
         self.drafted_sequences = 0  # sequences this step drafted for (set by `allocate`)
         self.plain_steps = 0  # steps decoded plainly since the last draft
         self.skipped_steps = 0  # plain steps between the last two drafts
+
+    @property
+    def plain_fit(self) -> tuple[float, float]:
+        """A plain step's seconds outside its pass = a + b * sequences ((0, 0) before any):
+        fitted only when a drafting step is weighed against it, not on every plain step."""
+        return _fit_line(self.plain_times) if self.plain_times else (0.0, 0.0)
 
     @property
     def calibration(self) -> float:
@@ -162,10 +167,9 @@ class DraftBudget:
         outside_pass = step.seconds - step.pass_seconds
         if not drafted:
             self.plain_times.append((step.num_decoding, outside_pass))
-            self.plain_fit = _fit_line(self.plain_times)
             return
         # Before any plain step nothing is subtracted (plain steps follow if that is too dear).
-        plain = _line(self.plain_fit or (0.0, 0.0), step.num_decoding)
+        plain = _line(self.plain_fit, step.num_decoding)
         self.observe_draft(drafted, max(0.0, outside_pass - plain))
 
     def observe_draft(self, num_sequences: int, seconds: float) -> None:
