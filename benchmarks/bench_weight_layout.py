@@ -1,10 +1,11 @@
 """Linear-weight formats on CPU: time of whole target passes of the default model, by pass size.
 
-Three formats of the same weights, each a full pass of the engine's model (paged attention, lm_head
+Four formats of the same weights, each a full pass of the engine's model (paged attention, lm_head
 on each sequence's first row), swapped in turn within every round so that the machine's drift
-hits all three alike: row-major (PyTorch's default), column-major (engine/layers/weight_layout.py,
-what a compiled model keeps) and MKL-packed (engine/layers/packed_linear.py, the eager engine's:
-packed from 2 rows on, column-major for one).
+hits all four alike: row-major (PyTorch's default), column-major (engine/layers/weight_layout.py,
+what a compiled model keeps), MKL-packed (`cblas_sgemm_pack` once, from 2 to 32 rows, column-major
+otherwise: the eager engine's format before oneDNN) and oneDNN (engine/layers/onednn_linear.py,
+the eager engine's).
 Two pass shapes: one sequence verifying N tokens (a draft tree) and N sequences decoding one token
 each (a batch). Reports the best of `--rounds` per point. Writes ``weight_layout.json`` and
 ``.png`` to ``--out-dir``. From the repository root:
@@ -20,10 +21,11 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from engine.layers.packed_linear import PackedLinear
+from engine.layers.onednn_linear import OneDnnLinear
 from engine.layers.weight_layout import column_major
 from engine.llm import LLM
 
@@ -37,26 +39,48 @@ SHAPES = {  # name: (tokens in the pass, tokens per sequence) for each N
 
 
 def weight_formats(model: nn.Module) -> dict[str, dict[tuple[nn.Module, str], nn.Module]]:
-    """Per format, the module to set at each (parent, attribute) of the model's packed linears."""
+    """Per format, the module to set at each (parent, attribute) of the model's oneDNN linears."""
     slots = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, PackedLinear)
+        if isinstance(child, OneDnnLinear)
     ]
     return {
         "row-major": {(p, n): _linear(c.weight.detach().contiguous(), c.bias) for p, n, c in slots},
         "column-major": {
             (p, n): _linear(column_major(c.weight.detach()), c.bias) for p, n, c in slots
         },
-        "MKL-packed": {(p, n): c for p, n, c in slots},
+        "MKL-packed": {
+            (p, n): MklPackedLinear(_linear(column_major(c.weight.detach()), c.bias))
+            for p, n, c in slots
+        },
+        "oneDNN": {(p, n): c for p, n, c in slots},
     }
+
+
+class MklPackedLinear(nn.Module):
+    """The weight also in MKL's packed GEMM layout (packed once), run from 2 to 32 rows; the
+    plain kernel on the column-major weight otherwise. The eager engine's format before oneDNN."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.contiguous(), 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        if not 2 <= rows.shape[0] <= 32:
+            return F.linear(x, self.weight, self.bias)
+        # The op runs the packed kernel when its last argument equals the number of rows.
+        out = torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, self.bias, rows.shape[0])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:  # weight: [out, in]
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
-    linear.bias = bias  # shared with the packed module (None: no bias)
+    linear.bias = bias  # shared with the engine's module (None: no bias)
     return linear
 
 

@@ -24,7 +24,7 @@ from drafting.tree import ROOT, Candidates, rerank
 from engine.draft_budget import DraftBudget
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, logits_context, sample_one_each
-from engine.layers.packed_linear import PackedLinear, can_pack
+from engine.layers.onednn_linear import OneDnnLinear, can_use_onednn
 from engine.layers.paged_attention import (
     SequenceAttention,
     build_attention_metadata,
@@ -38,7 +38,7 @@ from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 
 # Rows of draft-node logits an acceptance walk computes ahead in one lm_head call: up to about
-# this many, the call costs what one row does (engine/layers/packed_linear.py).
+# this many, the call costs little more than one row does (engine/layers/onednn_linear.py).
 _FREE_LOGITS_ROWS = 8
 
 
@@ -408,10 +408,10 @@ def _extend_ancestors(
 
 
 def _draft_lm_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None) -> nn.Module:
-    """The target's lm_head, or a copy of its rows for a reduced draft vocabulary (packed for MKL
-    where it can be, as the target's own linears are)."""
+    """The target's lm_head, or a copy of its rows for a reduced draft vocabulary (run through
+    oneDNN where it can be, as the target's own linears are)."""
     if draft_vocab is None:
         return lm_head
     rows = nn.Linear(lm_head.in_features, len(draft_vocab), bias=False, device="meta")
     rows.weight = nn.Parameter(lm_head.weight.detach()[draft_vocab], requires_grad=False)
-    return PackedLinear(rows) if can_pack(rows.weight) else rows
+    return OneDnnLinear(rows) if can_use_onednn(rows.weight) else rows

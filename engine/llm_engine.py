@@ -23,7 +23,7 @@ from engine.draft_budget import DraftBudget, StepOutcome, expected_tokens
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, AutoregressiveDrafter, Drafter
 from engine.errors import InvalidRequestError
-from engine.layers.packed_linear import pack_linear_weights
+from engine.layers.onednn_linear import use_onednn_linears
 from engine.model_files import load_config, load_state_dict, load_tokenizer, resolve_model_path
 from engine.model_runner import ForwardOutput, ModelRunner
 from engine.models.spec import ModelSpec
@@ -88,7 +88,7 @@ class LLMEngine:
         head = load_head(
             config.draft, self.spec, self.max_model_len, config.torch_device, config.torch_dtype
         )
-        pack_linear_weights(head)  # the engine only runs it forward
+        use_onednn_linears(head)  # the engine only runs it forward
         return head
 
     def _make_drafter(self, head) -> Drafter:

@@ -11,7 +11,7 @@ from engine.compilation import compile_model, warm_up
 from engine.config import EngineConfig
 from engine.draft_tree import DraftTree
 from engine.kv_cache import KVCache, LayerShape
-from engine.layers.packed_linear import pack_linear_weights
+from engine.layers.onednn_linear import use_onednn_linears
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from engine.models.decoder import DecoderModel
@@ -69,7 +69,7 @@ class ModelRunner:
             self.forward = compile_model(self.model)
             warm_up(self)
         else:
-            pack_linear_weights(self.model)
+            use_onednn_linears(self.model)
 
     def _num_kv_blocks(self, layers: list[LayerShape]) -> int:
         if self.config.num_kv_blocks is not None:

@@ -6,9 +6,10 @@ kernel instead. Which is faster depends on the CPU: on an AVX2 machine "NT" slow
 rows on and "NN" was 1.5-2.5x faster per layer; on an AVX-512 one, whole passes of the default
 model cost about the same either way from 4 rows on, and one row is slightly faster column-major.
 The engine stores its CPU weights this way. Only the memory layout changes: every value, and so
-every result, stays the same. From 2 rows on, the eager engine runs MKL's packed GEMM instead
-(engine/layers/packed_linear.py), faster still; this layout serves its one-row passes and a
-compiled model. benchmarks/bench_weight_layout.py measures whole passes with each format.
+every result, stays the same. The eager engine runs its fp32 CPU linears through oneDNN instead
+(engine/layers/onednn_linear.py), faster still at every number of rows; this layout serves a
+compiled model, and the linears oneDNN cannot run. benchmarks/bench_weight_layout.py measures
+whole passes with each format.
 """
 
 from __future__ import annotations

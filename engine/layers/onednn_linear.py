@@ -1,0 +1,59 @@
+"""oneDNN linears: fp32 matmuls on CPU that read each weight once, however few the rows.
+
+A decode step multiplies a few rows (one token, a verify pass over draft trees, a batch of
+sequences each adding one token) by every weight of the model, so reading the weights should
+dominate and a few rows should cost about what one does. The BLAS kernels behind `F.linear` fall
+short of that on this project's CPU (an AMD EPYC with AVX2): MKL runs up to three rows as one GEMV
+each (3.8 ms a row for the default model's lm_head), and from four rows a GEMM that takes 9-11 ms
+up to 8 rows, even with its weight packed once (`cblas_sgemm_pack`). oneDNN's inner-product
+primitive (reached through `torch.ops.mkldnn._linear_pointwise`, with the weight held as a oneDNN
+tensor made once at load) takes 2.4 ms for one row and 3.3-4.1 ms for 4 to 8, and is about twice
+as fast as MKL at 64 and 256 rows too: whole target passes of the default model got 1.5x (one
+token) to 1.9x (4 tokens, 16 sequences) faster. benchmarks/bench_weight_layout.py measures whole
+passes with each format.
+
+The oneDNN tensor is a second copy of the weight, beside the nn.Linear's own (which stays for ties,
+such as the lm_head's with the embedding, and for anything that reads `.weight`). Results agree
+with `F.linear` to float rounding (the kernels sum in another order), as results of different BLAS
+kernels do. Inference only: the op has no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def can_use_onednn(weight: torch.Tensor) -> bool:
+    """Whether this weight can run through oneDNN: fp32, on CPU, in a PyTorch built with it."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+class OneDnnLinear(nn.Module):
+    """An inference-only nn.Linear whose matmul runs on a oneDNN copy of its weight."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # shared, not copied
+        onednn_weight = linear.weight.detach().contiguous().to_mkldnn()  # [out, in]
+        self.register_buffer("onednn_weight", onednn_weight, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        out = torch.ops.mkldnn._linear_pointwise(
+            rows, self.onednn_weight, self.bias, "none", [], ""
+        )  # [M, out]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def use_onednn_linears(module: nn.Module) -> None:
+    """Replace every nn.Linear inside `module` that oneDNN can run by a OneDnnLinear."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and can_use_onednn(child.weight):
+                setattr(parent, name, OneDnnLinear(child))
