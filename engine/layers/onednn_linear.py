@@ -6,11 +6,13 @@ dominate and a few rows should cost about what one does. The BLAS kernels behind
 short of that on this project's CPU (an AMD EPYC with AVX2): MKL runs up to three rows as one GEMV
 each (3.8 ms a row for the default model's lm_head), and from four rows a GEMM that takes 9-11 ms
 up to 8 rows, even with its weight packed once (`cblas_sgemm_pack`). oneDNN's inner-product
-primitive (reached through `torch.ops.mkldnn._linear_pointwise`, with the weight held as a oneDNN
-tensor made once at load) takes 2.4 ms for one row and 3.3-4.1 ms for 4 to 8, and is about twice
-as fast as MKL at 64 and 256 rows too: whole target passes of the default model got 1.5x (one
-token) to 1.9x (4 tokens, 16 sequences) faster. benchmarks/bench_weight_layout.py measures whole
-passes with each format.
+primitive (`torch.ops.mkldnn._linear_pointwise`) on a weight laid out once at load for its blocked
+kernel (`torch.ops.mkldnn._reorder_linear_weight`, as inductor's freezing does for low-precision
+weights) does read it once: 30 of the default model's [3072, 576] MLP weights take 3.3-3.6 ms for
+1 to 4 rows and 4.6 ms for 8, where the same weights as a plain oneDNN tensor take 4.0 ms for one
+row and 8.5 ms for 2 to 4. Whole target passes of the default model take about 18 ms for 1 to 4
+tokens and 23.5 ms for 16. benchmarks/bench_weight_layout.py measures whole passes with each
+format.
 
 The oneDNN tensor is a second copy of the weight, beside the nn.Linear's own (which stays for ties,
 such as the lm_head's with the embedding, and for anything that reads `.weight`). Results agree
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+_LAYOUT_HINT_ROWS = 16  # oneDNN lays the weight out for this many rows; it computes any number
 
 
 def can_use_onednn(weight: torch.Tensor) -> bool:
@@ -40,7 +44,10 @@ class OneDnnLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # shared, not copied
-        onednn_weight = linear.weight.detach().contiguous().to_mkldnn()  # [out, in]
+        # [out, in] in the blocked layout oneDNN's kernel for about this many rows reads
+        onednn_weight = torch.ops.mkldnn._reorder_linear_weight(
+            linear.weight.detach().contiguous(), _LAYOUT_HINT_ROWS
+        )
         self.register_buffer("onednn_weight", onednn_weight, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
