@@ -31,15 +31,11 @@ from engine.layers.paged_attention import (
     new_token_slots,
 )
 from engine.logits_processing import apply_penalties, target_probabilities, token_logprobs
-from engine.model_runner import ForwardOutput
+from engine.model_runner import FREE_LOGITS_ROWS, ForwardOutput
 from engine.models.decoder import DecoderModel
 from engine.outputs import TokenLogprob
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
-
-# Rows of draft-node logits an acceptance walk computes ahead in one lm_head call: up to about
-# this many, the call costs little more than one row does (engine/layers/onednn_linear.py).
-_FREE_LOGITS_ROWS = 8
 
 
 @dataclass
@@ -322,10 +318,11 @@ def _walk_trees(
     walks: list[_Walk], root_logits: torch.Tensor, verified: ForwardOutput
 ) -> list[Accepted]:
     """Walk every tree, level by level (root_logits: [W, vocab] raw, at each root). The target
-    logits of the nodes reached at one level are computed in one batch, with those of every node
-    below them when they are few (`_node_logits`)."""
+    logits of the nodes reached at one level come with the verify pass when the trees are small,
+    or else are computed in one batch, with those of every node below them when they are few
+    (`_node_logits`)."""
     active, logits = walks, root_logits  # logits: [A, vocab] at each active walk's node
-    computed: dict[int, torch.Tensor] = {}  # hidden row -> [vocab] raw target logits
+    computed = dict(verified.tree_logits)  # hidden row -> [vocab] raw target logits
     while active:
         processed = _penalised(active, logits)
         params = [walk.params for walk in active]
@@ -352,7 +349,7 @@ def _node_logits(
     missing = [row for row in wanted if row not in computed]
     if missing:
         below = [walk.root_row + node for walk in active for node in walk.subtree()]
-        rows = below if len(below) <= _FREE_LOGITS_ROWS else missing
+        rows = below if len(below) <= FREE_LOGITS_ROWS else missing
         computed.update(zip(rows, verified.node_logits(rows)))
     return torch.stack([computed[row] for row in wanted])
 

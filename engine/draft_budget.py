@@ -9,9 +9,10 @@ prefill chunks) that verifies N draft nodes emits B + E(N) tokens, E(N) the sum 
 kept, in cost(T0 + N) + L(E(N)) seconds: the verify cost measured at start-up
 (engine/verify_cost.py), scaled by how long the real passes take against it, plus L, the lm_head
 over the rows of the nodes the acceptance walk accepts (measured too: a few rows cost about what
-one does). The budget keeps the N nodes of highest value across all sequences, with N maximising
-that rate; N = 0 is plain decoding. A child's value never exceeds its parent's, so each
-sequence's kept nodes form a tree.
+one does), or nothing when the pass's rows are few enough for its own lm_head call to bring them.
+The budget keeps the N nodes of highest value across all sequences, with N maximising that rate;
+N = 0 is plain decoding. A child's value never exceeds its parent's, so each sequence's kept nodes
+form a tree.
 
 Drafting costs time too, spent before the values are known. So before drafting, the budget predicts
 both rates for the step's batch, from the recent value curve (the mean calibrated value of each
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.model_runner import FREE_LOGITS_ROWS
 from engine.verify_cost import VerifyCost
 
 _DECAY = 0.95  # weight of the past in the running estimates, per observation (the values: per step)
@@ -126,7 +128,8 @@ class DraftBudget:
         expected = np.concatenate([[0.0], flat[order].cumsum(0).numpy()])  # [K + 1] E(N)
         num_nodes = np.arange(len(expected))  # [K + 1] N
         rate = (batch + expected) / (
-            self._seconds(num_pass_tokens + num_nodes) + self._walk_seconds(expected)
+            self._seconds(num_pass_tokens + num_nodes)
+            + self._walk_seconds(expected, batch + num_nodes)
         )
         best = int(rate.argmax())  # the first maximum: ties go to fewer nodes
         counts = torch.bincount(order[:best] // width, minlength=batch)
@@ -212,11 +215,13 @@ class DraftBudget:
         """Seconds of a pass of `num_tokens` tokens (a number or an array) on this machine now."""
         return np.maximum(self.verify_cost(num_tokens) * self.verify_scale, 1e-9)
 
-    def _walk_seconds(self, num_accepted):
+    def _walk_seconds(self, num_accepted, num_rows):
         """Seconds the acceptance walk spends on the lm_head rows of `num_accepted` nodes (a
-        number or an array), as if in one call: small trees' nodes come in one (drafting/
-        eagle_drafter.py), a batch's walks share one call per level."""
-        return self.verify_cost.logits(num_accepted) * self.verify_scale
+        number or an array), as if in one call: a batch's walks share one call per level. None
+        where the pass's sampled rows and nodes, `num_rows`, are few enough to come with the
+        pass's own lm_head call (engine/model_runner.py), for about the price of its roots."""
+        walk = self.verify_cost.logits(num_accepted) * self.verify_scale
+        return np.where(np.asarray(num_rows) <= FREE_LOGITS_ROWS, 0.0, walk)
 
     def _draft_seconds(self, num_sequences: int) -> float:
         return _line(self.draft_fit, num_sequences)

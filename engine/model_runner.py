@@ -24,14 +24,18 @@ SYNTHETIC_CONTEXT = 64  # cached entries before the new tokens of a synthetic pa
 # of its own: it pads every sequence of a pass to the longest, and a padded query row costs about
 # as much as a real one, while a pass's extra read of the weights is small beside a chunk's compute.
 _LONG_QUERY = 16
+# Rows of logits the lm_head computes for about the price of one (engine/layers/onednn_linear.py):
+# a verify pass whose sampled rows and draft nodes are no more computes all their logits at once.
+FREE_LOGITS_ROWS = 8
 
 
 @dataclass(frozen=True)
 class ForwardOutput:
     """One verify pass. Rows of `hidden` follow the scheduled tokens in order; `logits` has a row
     per sampling sequence: its last token's, or its draft tree's root's. The logits of a tree's
-    other nodes are computed on demand (`node_logits`): an acceptance walk reads only the nodes it
-    reaches (and, where they are few, the nodes below them), and on a CPU the lm_head is dear
+    other nodes come with the pass when all the rows fit in `FREE_LOGITS_ROWS` (`tree_logits`);
+    otherwise they are computed on demand (`node_logits`): an acceptance walk reads only the nodes
+    it reaches (and, where they are few, the nodes below them), and on a CPU the lm_head is dear
     (113 MB of fp32 weights for the default model: a call costs a tenth of a one-token pass)."""
 
     logits: torch.Tensor  # [R, vocab] float32
@@ -39,6 +43,7 @@ class ForwardOutput:
     token_rows: list[range]  # per scheduled sequence: its rows of `hidden` (a tree's: its nodes)
     logits_rows: list[int | None]  # per scheduled sequence: its row of `logits` (None: none)
     lm_head: Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] -> [N, vocab] float32
+    tree_logits: dict[int, torch.Tensor]  # row of `hidden` -> [vocab]: tree nodes' logits, if here
 
     @torch.inference_mode()
     def node_logits(self, hidden_rows: list[int]) -> torch.Tensor:  # [N, vocab] float32
@@ -103,9 +108,24 @@ class ModelRunner:
             positions += pos
             sequences.append(attention)
         hidden = self._forward_passes(input_ids, positions, sequences, token_rows)  # [T, hidden]
-        picked = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
-        logits = self.model.compute_logits(picked)  # [R, vocab]
-        return ForwardOutput(logits, hidden, token_rows, logits_rows, self.model.compute_logits)
+        node_rows = [  # every tree's nodes but its root
+            r
+            for item, rows in zip(batch.scheduled, token_rows)
+            if item.seq.seq_id in trees
+            for r in rows[1:]
+        ]
+        if len(sample_rows) + len(node_rows) > FREE_LOGITS_ROWS:
+            node_rows = []  # the acceptance walks compute what they reach (`node_logits`)
+        picked = torch.tensor(sample_rows + node_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[picked])  # [R + N, vocab]
+        return ForwardOutput(
+            logits[: len(sample_rows)],
+            hidden,
+            token_rows,
+            logits_rows,
+            self.model.compute_logits,
+            dict(zip(node_rows, logits[len(sample_rows) :])),
+        )
 
     @torch.inference_mode()
     def synthetic_pass(self, num_tokens: int, tokens_per_sequence: int) -> None:

@@ -43,12 +43,15 @@ def test_the_lm_head_cost_rises_from_nothing_through_its_measurements():
     assert cost.logits([0, 0.5, 1, 2, 3, 4, 8]).tolist() == [0.0, 0.25, 0.5, 0.5, 1.0, 1.5, 3.5]
 
 
-def test_a_dear_acceptance_walk_keeps_drafts_out():
+def test_a_dear_acceptance_walk_keeps_drafts_out_unless_the_pass_brings_their_logits():
     flat_verify = ((1, 4096), (1.0, 1.0))
     cheap_walk = DraftBudget(VerifyCost(*flat_verify, (1, 64), (0.01, 0.64)))
-    assert cheap_walk.allocate(values([0.9, 0.8]), 1) == [2]
     dear_walk = DraftBudget(VerifyCost(*flat_verify, (1, 64), (10.0, 640.0)))
-    assert dear_walk.allocate(values([0.9, 0.8]), 1) == [0]
+    five = values(*[[0.9, 0.8]] * 5)  # 5 sequences: their roots and 3 nodes are 8 rows
+    assert cheap_walk.allocate(five, 5) == [2] * 5
+    # Beyond 8 rows the walk pays the lm_head; up to 8 the pass's own call brings the logits.
+    assert dear_walk.allocate(five, 5) == [1, 1, 1, 0, 0]
+    assert dear_walk.allocate(values([0.9, 0.8]), 1) == [2]
 
 
 def test_free_verification_keeps_every_node_a_sequence_may_keep():
