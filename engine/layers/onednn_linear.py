@@ -10,9 +10,9 @@ primitive (`torch.ops.mkldnn._linear_pointwise`) on a weight laid out once at lo
 kernel (`torch.ops.mkldnn._reorder_linear_weight`, as inductor's freezing does for low-precision
 weights) does read it once: 30 of the default model's [3072, 576] MLP weights take 3.3-3.6 ms for
 1 to 4 rows and 4.6 ms for 8, where the same weights as a plain oneDNN tensor take 4.0 ms for one
-row and 8.5 ms for 2 to 4. Whole target passes of the default model take about 18 ms for 1 to 4
-tokens and 23.5 ms for 16. benchmarks/bench_weight_layout.py measures whole passes with each
-format.
+row and 8.5 ms for 2 to 4. Whole target passes of the default model (benchmarks/
+bench_weight_layout.py, best of 5) take 14.2 ms for one token, 15.1 for 4 and 22.0 for 16, where
+MKL's packed GEMM took 25.2, 42.8 and 54.0.
 
 The oneDNN tensor is a second copy of the weight, beside the nn.Linear's own (which stays for ties,
 such as the lm_head's with the embedding, and for anything that reads `.weight`). Results agree
