@@ -8,9 +8,9 @@ each (3.8 ms a row for the default model's lm_head), and from four rows a GEMM t
 up to 8 rows, even with its weight packed once (`cblas_sgemm_pack`). oneDNN's inner-product
 primitive (`torch.ops.mkldnn._linear_pointwise`) on a weight laid out once at load for its blocked
 kernel (`torch.ops.mkldnn._reorder_linear_weight`, as inductor's freezing does for low-precision
-weights) does read it once: 30 of the default model's [3072, 576] MLP weights take 3.3-3.6 ms for
-1 to 4 rows and 4.6 ms for 8, where the same weights as a plain oneDNN tensor take 4.0 ms for one
-row and 8.5 ms for 2 to 4. Whole target passes of the default model (benchmarks/
+weights) does read it once: in ad hoc timings, 30 of the default model's [3072, 576] MLP weights
+took 3.3-3.6 ms for 1 to 4 rows and 4.6 ms for 8, where the same weights as a plain oneDNN tensor
+took 4.0 ms for one row and 8.5 ms for 2 to 4. Whole target passes of the default model (benchmarks/
 bench_weight_layout.py, best of 5) take 14.2 ms for one token, 15.1 for 4 and 22.0 for 16, where
 MKL's packed GEMM took 25.2, 42.8 and 54.0.
 
