@@ -161,20 +161,29 @@ def load_hf_model(device: str):
 
 
 class PhaseTimes:
-    """Sums the engine's per-step timings (a stats listener)."""
+    """Sums the engine's per-step timings (a stats listener), over all decode steps and over those
+    that verified drafts (the rest, under the adaptive budget, are plain steps)."""
 
     def __init__(self) -> None:
-        self.steps = 0
-        self.seconds = {"propose": 0.0, "verify": 0.0, "accept": 0.0}
+        self.steps = {"all": 0, "drafting": 0}
+        self.seconds = {kind: {"propose": 0.0, "verify": 0.0, "accept": 0.0} for kind in self.steps}
 
     def __call__(self, stats: StepStats) -> None:
-        self.steps += 1
-        self.seconds["propose"] += stats.propose_time_s
-        self.seconds["verify"] += stats.verify_time_s
-        self.seconds["accept"] += stats.accept_time_s
+        for kind in ("all", "drafting") if stats.num_drafts else ("all",):
+            self.steps[kind] += 1
+            self.seconds[kind]["propose"] += stats.propose_time_s
+            self.seconds[kind]["verify"] += stats.verify_time_s
+            self.seconds[kind]["accept"] += stats.accept_time_s
 
-    def mean_ms(self) -> dict[str, float]:
-        return {k: 1000 * v / max(self.steps, 1) for k, v in self.seconds.items()}
+    def mean_ms(self) -> dict[str, dict[str, float]]:
+        """Per kind of step: mean ms in each phase, and how many such steps there were."""
+        return {
+            f"{kind}_steps": {
+                "steps": self.steps[kind],
+                **{k: 1000 * v / max(self.steps[kind], 1) for k, v in self.seconds[kind].items()},
+            }
+            for kind in self.steps
+        }
 
 
 def run_aerie(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
@@ -289,7 +298,9 @@ def batch_result(runs: list[tuple[list, float]]) -> dict:
     }
 
 
-def summarize(rows: list[dict], batches: dict[str, dict], phases: dict[str, PhaseTimes]) -> dict:
+def summarize(
+    rows: list[dict], batches: dict[str, dict], phases: dict[str, dict[str, PhaseTimes]]
+) -> dict:
     def tok_s(name: str) -> float:
         return sum(r[f"{name}_tokens"] for r in rows) / sum(r[f"{name}_seconds"] for r in rows)
 
@@ -307,7 +318,11 @@ def summarize(rows: list[dict], batches: dict[str, dict], phases: dict[str, Phas
             r["aerie_token_ids"] == t for r, t in zip(rows, batches["aerie"]["token_ids"])
         ),
         "batch_outputs_compared": min(len(rows), len(batches["aerie"]["token_ids"])),
-        "phase_ms_per_step": {name: p.mean_ms() for name, p in phases.items()},
+        # per batch size, per engine: mean ms per phase over all decode steps and drafting ones
+        "phase_ms_per_step": {
+            size: {name: p.mean_ms() for name, p in by_engine.items()}
+            for size, by_engine in phases.items()
+        },
     }
     if "spec" in batches:
         summary.update(
@@ -367,8 +382,11 @@ def print_summary(rows: list[dict], summary: dict) -> None:
             f"{s['spec_over_aerie_batch']:.2f}x AR, acceptance length "
             f"{s['spec_acceptance_length_batch']:.2f}"
         )
-    for name, phases in s["phase_ms_per_step"].items():
-        print(f"{name} ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+    for size, by_engine in s["phase_ms_per_step"].items():
+        for name, kinds in by_engine.items():
+            for kind, phases in kinds.items():
+                figures = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "steps")
+                print(f"{size} {name}, {phases['steps']} {kind}: ms per step {figures}")
 
 
 def plot(summary: dict, machine: dict, settings: dict, path: Path) -> None:
@@ -429,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     draft = resolve_draft(MODEL, args.draft)
     if draft:
         llms["spec"] = LLM(model=MODEL, draft=draft, **options)
-    phases = {name: PhaseTimes() for name in llms}
+    phases = {size: {name: PhaseTimes() for name in llms} for size in ("batch1", "batch")}
     model = load_hf_model(args.device)
     eos_id = llms["aerie"].get_tokenizer().eos_token_id
     prompts = [
@@ -437,11 +455,13 @@ def main(argv: list[str] | None = None) -> None:
         for q in questions
     ]
 
+    for name, llm in llms.items():
+        llm.engine.stats_listeners[:] = [phases["batch1"][name]]
     rows = bench_batch1(
         llms, model, prompts[: args.num_prompts], questions[: args.num_prompts], args, eos_id
     )
-    for name, llm in llms.items():  # phase timings of the batched runs
-        llm.engine.stats_listeners.append(phases[name])
+    for name, llm in llms.items():
+        llm.engine.stats_listeners[:] = [phases["batch"][name]]
     batches = bench_batches(llms, prompts[: args.batch], args)
     summary = summarize(rows, batches, phases)
 

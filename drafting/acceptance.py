@@ -1,13 +1,21 @@
 """Lossless acceptance of a draft tree against the target's distributions.
 
 At each node, p is the target's distribution for the next token (every sampling setting applied,
-penalties conditioned on the node's own path). The node's children are a fixed set of distinct
-tokens, tried best draft value first: child x is accepted with probability p(x) / sum(p); if
-rejected, p(x) is set to 0 (the residual) and the next child is tried. If every child is rejected,
-the bonus token is sampled from the residual; if one is accepted, the walk descends into it. At a
-leaf the bonus is sampled from p. Summed over the walk, each token's chance of being emitted is
-exactly p(token): the draft changes speed, never the output. For greedy requests p is one-hot, so
-this is "accept the child equal to the target's argmax".
+penalties conditioned on the node's own path). The walk draws the token the target emits at that
+position exactly as plain decoding draws it: by the exponential race argmax(p / E), with E fresh
+exponential noise over the vocabulary from the request's own generator (`sample_from` in
+engine/logits_processing.py). If a child of the node carries that token, the child is accepted
+and the walk descends into it; otherwise that token is the bonus and the walk ends (at a leaf,
+always).
+
+Every emitted token is therefore a draw from p, whatever the drafts: the draft changes speed,
+never the output. A child is accepted with probability p(child), and one of a node's children
+with probability sum(p(children)), exactly as with the rule of accepting each child in turn with
+probability p(x) / (mass left) and sampling the bonus from the residual; so acceptance is as high
+as it can be. Because the walk consumes one noise draw per emitted token, in order, as plain
+decoding does, a seeded request gives the same tokens with speculation as without, whatever the
+trees' shapes (which the draft budget sizes from timings) and whatever else shares the batch. For
+greedy requests p is one-hot: "accept the child equal to the target's argmax".
 
 The walk visits one node at a time, so the target's distribution is only needed at the nodes it
 reaches (drafting/eagle_drafter.py computes those rows of the lm_head as the walk goes).
@@ -23,42 +31,19 @@ from engine.logits_processing import sample_from
 
 def accept_at_node(
     tree: DraftTree,
-    children: list[int],  # the node's children, best draft value first
+    children: list[int],  # the node's children
     p: torch.Tensor,  # [vocab] the target's distribution at the node
     generator: torch.Generator | None,
 ) -> tuple[int | None, int | None]:
-    """One node of the walk: (the accepted child, None), or (None, the bonus token) when every
-    child is rejected (a leaf has none), the bonus sampled from the residual."""
-    mass = float(p.sum())  # of the residual: what rejected children have not taken
-    rejected: list[int] = []
-    for child in children:
-        token = tree.tokens[child]
-        p_token = float(p[token])
-        if _uniform(p.device, generator) * mass < p_token:  # probability p(x) / mass
-            return child, None
-        rejected.append(token)
-        mass -= p_token
-    residual = p.clone()
-    residual[rejected] = 0.0
-    return None, _sample_residual(residual, p, generator)
+    """One node of the walk: (the accepted child, None), or (None, the bonus token) when no child
+    carries the token the target draws here (a leaf has none)."""
+    token = int(sample_from(p[None, :], [generator])[0])
+    return accept_target_token(tree, children, token)
 
 
-def accept_at_node_greedy(
-    tree: DraftTree, children: list[int], argmax_token: int
+def accept_target_token(
+    tree: DraftTree, children: list[int], target_token: int
 ) -> tuple[int | None, int | None]:
-    """The same rule for one-hot p: accept the child equal to the target's argmax, if any."""
-    match = next((c for c in children if tree.tokens[c] == argmax_token), None)
-    return (match, None) if match is not None else (None, argmax_token)
-
-
-def _uniform(device: torch.device, generator: torch.Generator | None) -> float:
-    return float(torch.rand((), device=device, generator=generator))
-
-
-def _sample_residual(
-    residual: torch.Tensor, original: torch.Tensor, generator: torch.Generator | None
-) -> int:
-    # A residual that lost all its mass to rounding (p was ~one-hot on rejected children) falls
-    # back to the original distribution; in exact arithmetic this branch has probability 0.
-    distribution = residual if float(residual.sum()) > 0 else original
-    return int(sample_from(distribution[None, :], [generator])[0])
+    """Accept the child carrying the target's token (its argmax, for one-hot p), if any."""
+    match = next((c for c in children if tree.tokens[c] == target_token), None)
+    return (match, None) if match is not None else (None, target_token)

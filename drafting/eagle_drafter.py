@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from drafting.acceptance import accept_at_node, accept_at_node_greedy
+from drafting.acceptance import accept_at_node, accept_target_token
 from drafting.head import EagleHead
 from drafting.tree import ROOT, Candidates, rerank
 from engine.draft_budget import DraftBudget
@@ -293,7 +293,7 @@ class _Walk:
             self.raw_logits.append(raw)
         children = self.children[self.node]
         if self.params.greedy:
-            child, self.bonus = accept_at_node_greedy(self.tree, children, argmax)
+            child, self.bonus = accept_target_token(self.tree, children, argmax)
         else:
             child, self.bonus = accept_at_node(self.tree, children, probs, self.seq.generator)
         if child is None:

@@ -14,22 +14,28 @@ The budget keeps the N nodes of highest value across all sequences, with N maxim
 N = 0 is plain decoding. A child's value never exceeds its parent's, so each sequence's kept nodes
 form a tree.
 
-Drafting costs time too, spent before the values are known. So before drafting, the budget predicts
-both rates for the step's batch, from the recent value curve (the mean calibrated value of each
-sequence's m-th best node, averaged over recent steps) and the drafting cost fitted against the
-number of sequences; when drafting does not win, the step decodes plainly without drafting. That
-cost is measured on whole steps: the time a drafting step spends outside its target pass, less what
-a plain step of as many sequences spends there (fitted the same way; until a plain step is seen,
-nothing is subtracted, which errs towards plain steps, and they supply the measurement). So it holds
-everything speculation adds around the pass (the head's catch-up and drafting, the trees' attention
-masks, the acceptance walk, moving accepted K/V), however the machine runs them at the moment. After
-`probe_interval` plain steps it drafts anyway, so the estimates follow the traffic. A probe whose
-drafts do not pay for their drafting time (at large batches a few nodes are nearly free to verify,
-but drafting for every sequence is not) sets the wait before the next so that probes cost at most 1%
-of decoding time (the drafting time over 1% of a plain step, at least `probe_interval` and at most
-256 steps); one whose drafts pay resets it to `probe_interval`. On plain steps the head catches up
-on the decoding sequences' new tokens only every 32nd step, in one batch, so that a mostly plain
-engine costs next to nothing over plain decoding.
+Drafting costs time too, spent before the values are known. So before drafting, the budget decides
+whether the step drafts at all. What it goes by, first to last:
+- a probe: after `probe_interval` plain steps it drafts anyway, so the estimates follow the traffic;
+- the realized rates (engine/realized_rates.py): per batch-size bucket, the tokens per sequence
+  per second that recent drafting steps and recent plain steps have actually delivered, whole
+  steps both; once both kinds have been seen a few times, the faster kind is chosen (a bucket
+  that drafts takes a plain step every 32 drafting decisions to keep its comparison fresh);
+- until then, the cost model's prediction of both rates for the step's batch, from the recent
+  value curve (the mean calibrated value of each sequence's m-th best node, averaged over recent
+  steps) and the drafting cost fitted against the number of sequences. That cost is measured on
+  whole steps: the time a drafting step spends outside its target pass, less what a plain step
+  of as many sequences spends there (fitted the same way; until a plain step is seen, nothing is
+  subtracted). So it holds everything speculation adds around the pass (the head's catch-up and
+  drafting, the trees' attention masks, the acceptance walk, moving accepted K/V).
+The model alone was right on average but not at every batch size, and a small error decided every
+step: optimistic at 4 sequences, it drafted on 158 of 190 steps at 0.83x plain decoding's speed;
+pessimistic after a few early probes at 1, it backed its probes off and never drafted again.
+Probes stay `probe_interval` apart until the realized rates show drafting losing at the batch
+size; then they back off so that they cost at most 1% of decoding time (the drafting time over 1%
+of a plain step, at least `probe_interval` and at most 256 steps). On plain steps the head catches
+up on the decoding sequences' new tokens only every 32nd step, in one batch, so that a mostly
+plain engine costs next to nothing over plain decoding.
 
 Which nodes are verified depends only on the drafts, never on the target's answer, so the
 acceptance rule stays lossless.
@@ -45,6 +51,7 @@ import numpy as np
 import torch
 
 from engine.model_runner import FREE_LOGITS_ROWS
+from engine.realized_rates import RealizedRates
 from engine.verify_cost import VerifyCost
 
 _DECAY = 0.95  # weight of the past in the running estimates, per observation (the values: per step)
@@ -65,6 +72,7 @@ class StepOutcome:
     pass_seconds: float  # its target pass
     num_decoding: int  # decoding sequences (prefill chunks aside)
     prefilled: bool  # whether it also computed prompt tokens
+    num_tokens: int = 0  # tokens the pass gave the decoding sequences (accepted drafts + bonus)
 
 
 class DraftBudget:
@@ -74,7 +82,9 @@ class DraftBudget:
         self.interval = probe_interval  # the current wait between probes
         self.probing = False  # this step drafts to refresh the estimates, not by prediction
         self.verify_scale = 1.0  # real passes' time over the start-up measurement's
-        self.expected, self.accepted = 1.0, 1.0  # decayed sums behind the calibration
+        # decayed sums behind the calibration, from a prior of 4 tokens accepted as expected,
+        # so that one unlucky early probe cannot halve it
+        self.expected, self.accepted = 4.0, 4.0
         self.value_curve: np.ndarray | None = None  # [M] mean exp(value) of the m-th best node
         self.draft_fit = (0.0, 0.0)  # seconds of drafting = a + b * sequences
         self.draft_times: deque[tuple[int, float]] = deque(maxlen=64)  # (sequences, seconds)
@@ -83,6 +93,8 @@ class DraftBudget:
         self.drafted_sequences = 0  # sequences this step drafted for (set by `allocate`)
         self.plain_steps = 0  # steps decoded plainly since the last draft
         self.skipped_steps = 0  # plain steps between the last two drafts
+        self.realized = RealizedRates()  # what drafting and plain steps have really delivered
+        self.decision: bool | None = None  # this step's choice (None: nobody could draft)
 
     @property
     def plain_fit(self) -> tuple[float, float]:
@@ -96,24 +108,41 @@ class DraftBudget:
 
     # ------------------------------------------------------------------ decisions
     def should_draft(self, num_decoding: int, num_pass_tokens: int) -> bool:
-        """Whether drafting for `num_decoding` sequences is predicted to beat plain decoding in
-        a step of `num_pass_tokens` scheduled tokens."""
+        """Whether this step drafts for its `num_decoding` sequences (of `num_pass_tokens`
+        scheduled tokens): a probe when one is due; else what the realized rates of both kinds
+        of step say at this batch size, once known; else what the cost model predicts."""
         if num_decoding == 0:
             return False
+        drafts = self._choose(num_decoding, num_pass_tokens)
+        if drafts and not self.probing:  # if plain steps follow, probe soon
+            self.interval = self.probe_interval
+        self.realized.decided(num_decoding, drafts)
+        self.decision = drafts
+        if drafts:
+            self.skipped_steps, self.plain_steps = self.plain_steps, 0
+        else:
+            self.plain_steps += 1
+        return drafts
+
+    def _choose(self, num_decoding: int, num_pass_tokens: int) -> bool:
         if self.value_curve is None or self.plain_steps >= self.interval:
             self.probing = True
-            return self._drafts()
-        # trees of the same size for every sequence: 1, 2, ... M nodes
+            return True
+        wins = self.realized.drafting_wins(num_decoding)
+        if wins is None:
+            wins = self._predicted_to_win(num_decoding, num_pass_tokens)
+        return wins and not self.realized.plain_probe_due(num_decoding)
+
+    def _predicted_to_win(self, num_decoding: int, num_pass_tokens: int) -> bool:
+        """The cost model's view: trees of the same size for every sequence (1, 2, ... M nodes)
+        against plain decoding."""
         gain = self.value_curve.cumsum()  # [M] expected tokens of a sequence's m best nodes
         nodes = np.arange(1, len(gain) + 1)  # [M]
         accepted = num_decoding * self.calibration * gain  # [M] expected accepted drafts
         drafted_rate = self._drafted_rate(
             num_decoding, accepted, num_decoding * nodes, num_pass_tokens
         ).max(initial=0.0)
-        if drafted_rate > self._plain_rate(num_decoding, num_pass_tokens):
-            return self._drafts()
-        self.plain_steps += 1
-        return False
+        return drafted_rate > self._plain_rate(num_decoding, num_pass_tokens)
 
     def allocate(self, values: torch.Tensor, num_pass_tokens: int) -> list[int]:
         """Draft nodes to verify per sequence. values: [B, M] path log-probabilities of each
@@ -133,12 +162,11 @@ class DraftBudget:
         )
         best = int(rate.argmax())  # the first maximum: ties go to fewer nodes
         counts = torch.bincount(order[:best] // width, minlength=batch)
-        if self.probing:  # back off while probes find drafting not worth its cost
+        if self.probing:  # back off once drafting is known to lose at this batch size
             self.probing = False
-            drafted_rate = self._drafted_rate(batch, expected[best], best, num_pass_tokens)
-            paid = best > 0 and drafted_rate > self._plain_rate(batch, num_pass_tokens)
+            loses = self.realized.drafting_wins(batch) is False
             self.interval = (
-                self.probe_interval if paid else self._probe_wait(batch, num_pass_tokens)
+                self._probe_wait(batch, num_pass_tokens) if loses else self.probe_interval
             )
         return counts.tolist()
 
@@ -160,13 +188,17 @@ class DraftBudget:
         self.verify_scale = min(_MAX_SCALE, max(1 / _MAX_SCALE, scale))
 
     def observe_step(self, step: StepOutcome) -> None:
-        """A finished step. A drafting step's seconds outside its pass, less what a plain step
-        of as many sequences spends there on average (its share of the head's catch-ups
-        included), are its drafting cost. Steps that also prefilled are left out: the head's
-        prefill of the prompt would count as drafting."""
+        """A finished step. Its tokens and seconds go to the realized rates of its kind. A
+        drafting step's seconds outside its pass, less what a plain step of as many sequences
+        spends there on average (its share of the head's catch-ups included), are its drafting
+        cost. Steps that also prefilled are left out: the head's prefill of the prompt would
+        count as drafting."""
+        decision, self.decision = self.decision, None
         drafted, self.drafted_sequences = self.drafted_sequences, 0
         if step.prefilled or not step.num_decoding:
             return
+        if decision is not None:
+            self.realized.record(decision, step.num_decoding, step.num_tokens, step.seconds)
         outside_pass = step.seconds - step.pass_seconds
         if not drafted:
             self.plain_times.append((step.num_decoding, outside_pass))
@@ -185,10 +217,6 @@ class DraftBudget:
         self.accepted = _DECAY * self.accepted + accepted
 
     # ------------------------------------------------------------------ estimates
-    def _drafts(self) -> bool:
-        self.skipped_steps, self.plain_steps = self.plain_steps, 0
-        return True
-
     def _observe_values(self, probs: torch.Tensor) -> None:
         """The curve ages by step, not by draft: after a plain stretch its old part has aged by
         every step skipped, so a probe weighs as much as the drafts those steps would have been.

@@ -236,6 +236,7 @@ class LLMEngine:
                 pass_seconds=verify_seconds,
                 num_decoding=sum(1 for item in batch.scheduled if item.num_lookahead),
                 prefilled=prefilled,
+                num_tokens=sum(len(v.accepted.token_ids) for v in verdicts),
             )
         )
 

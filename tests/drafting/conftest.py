@@ -11,6 +11,8 @@ import torch
 
 from tests.conftest import save_random_head, save_tiny_model
 
+SMALL_VOCAB = 8  # tokens in `small_vocab`
+
 
 def train_head_quickly(
     target_dir: Path, head_dir: Path, out_dir: Path, steps: int = 150, seed: int = 0
@@ -65,3 +67,21 @@ def random_head(bigram_target, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def trained_head(bigram_target, random_head, tmp_path_factory) -> Path:
     return train_head_quickly(bigram_target, random_head, tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="session")
+def small_vocab(tmp_path_factory) -> dict[str, Path]:
+    """A tiny model with an 8-token vocabulary, sharp enough for sampled drafts to be accepted,
+    with a random head and one trained for seconds."""
+    root = tmp_path_factory.mktemp("small-vocab")
+    target = save_tiny_model(
+        root / "target",
+        "llama",
+        vocab_size=SMALL_VOCAB,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        residual_scale=0.5,
+    )
+    random_head = save_random_head(root / "random-head", target)
+    trained = train_head_quickly(target, random_head, root / "trained-head", steps=100)
+    return {"target": target, "random": random_head, "trained": trained}

@@ -5,6 +5,7 @@ blocks all come back."""
 from __future__ import annotations
 
 from engine import LLM
+from engine.realized_rates import RealizedRates
 from engine.verify_cost import VerifyCost
 from tests.drafting.test_speculative_generation import (
     GREEDY,
@@ -23,6 +24,8 @@ def run_with_cost(target, head, prompts, cost: VerifyCost | None):
     llm = LLM(str(target), draft=str(head), block_size=4, num_kv_blocks=1024)
     if cost is not None:
         llm.engine.budget.verify_cost = cost
+        # the wall clock's verdict would overrule the cost given: it never decides here
+        llm.engine.budget.realized = RealizedRates(plain_probe_interval=10**9, min_drafted=10**9)
     records, drafting_steps = [], []
     llm.engine.stats_listeners.append(records.append)
     grow = llm.engine.drafter._grow
@@ -89,3 +92,17 @@ def test_measured_costs_keep_speculation_lossless(bigram_target, trained_head):
     assert llm.engine.budget.verify_cost.num_tokens[0] == 1
     assert any(r.draft_budget is not None for r in records)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_every_decode_step_feeds_the_realized_rates(bigram_target, trained_head):
+    def samples(cost: VerifyCost, kind: str) -> list[tuple[float, float]]:
+        llm, _, _, _ = run_with_cost(bigram_target, trained_head, mixed_prompts(8, seed=6), cost)
+        buckets = llm.engine.budget.realized.buckets
+        assert set(buckets) <= {n.bit_length() for n in range(1, 9)}
+        return [sample for bucket in buckets.values() for sample in getattr(bucket, kind)]
+
+    drafted = samples(FREE, "drafted")
+    assert drafted and all(tokens >= 1 and seconds > 0 for tokens, seconds in drafted)
+    assert any(tokens > 1 for tokens, _ in drafted)  # accepted drafts count as tokens
+    plain = samples(DEAR, "plain")
+    assert plain and all(tokens == 1 and seconds > 0 for tokens, seconds in plain)

@@ -19,10 +19,9 @@ import drafting.eagle_drafter
 from engine import LLM, SamplingParams
 from engine.logits_processing import target_probabilities
 from engine.verify_cost import VerifyCost
-from tests.conftest import save_random_head, save_tiny_model
-from tests.drafting.conftest import train_head_quickly
+from tests.drafting.conftest import SMALL_VOCAB
 
-VOCAB = 8
+VOCAB = SMALL_VOCAB
 PROMPT = [1, 3, 4, 5, 3]
 NUM_SAMPLES = 20_000
 NUM_TOKENS = 3
@@ -32,22 +31,6 @@ SETTINGS = {
     "top_k 3": dict(temperature=1.0, top_k=3),
 }
 TREE = dict(draft_top_k=2, draft_depth=3, draft_total_tokens=8, adaptive_draft_budget=False)
-
-
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("small-vocab")
-    target = save_tiny_model(
-        root / "target",
-        "llama",
-        vocab_size=VOCAB,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        residual_scale=0.5,
-    )
-    random_head = save_random_head(root / "random-head", target)
-    trained = train_head_quickly(target, random_head, root / "trained-head", steps=100)
-    return {"target": target, "random": random_head, "trained": trained}
 
 
 def exact_distribution(target, settings: dict) -> dict[tuple[int, ...], float]:

@@ -115,11 +115,19 @@ def test_measured_cost_grows_with_the_pass(generation_model):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_probes_that_find_nothing_cost_one_percent_and_reset_when_they_find_something():
+def realize(budget: DraftBudget, num_sequences: int, drafting_speedup: float, times: int = 16):
+    """Steps of both kinds at this batch size, drafting ones `drafting_speedup` times as fast."""
+    for _ in range(times):
+        budget.realized.record(False, num_sequences, num_sequences, 0.1)
+        budget.realized.record(True, num_sequences, num_sequences * drafting_speedup, 0.1)
+
+
+def test_probes_that_find_drafting_losing_cost_one_percent_and_reset_when_it_wins():
     budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
-    hopeless, good = values(*[[0.01, 0.01]] * 8), values(*[[0.9, 0.9]] * 8)
+    hopeless = values(*[[0.01, 0.01]] * 8)
     budget.observe_draft(8, 0.05)  # a probe's drafting: half a plain step (0.108 s)
-    assert budget.should_draft(8, 8)  # nothing known yet: a probe
+    realize(budget, 8, drafting_speedup=0.8)  # drafting steps have been slower
+    assert budget.should_draft(8, 8)  # nothing known of the drafts yet: a probe
     budget.allocate(hopeless, 8)
     gaps = []
     for _ in range(3):
@@ -127,23 +135,60 @@ def test_probes_that_find_nothing_cost_one_percent_and_reset_when_they_find_some
         while not budget.should_draft(8, 8):
             plain += 1
         gaps.append(plain)
-        budget.allocate(hopeless, 8)  # the probe finds nothing worth verifying, again
+        budget.allocate(hopeless, 8)
     assert gaps == [47, 47, 47]  # 0.05 s of drafting is 1% of 47 plain steps' 5.1 s
-    while not budget.should_draft(8, 8):
-        pass
-    budget.allocate(good, 8)  # this probe does: probe often again
-    assert budget.interval == 4
+    realize(budget, 8, drafting_speedup=1.3, times=32)  # the traffic changed: drafting wins
+    assert budget.should_draft(8, 8)
+    assert budget.interval == 4  # when plain steps follow, probes come often again
 
 
-def test_probes_back_off_when_drafting_costs_more_than_the_drafts_save():
-    """At a large batch a few good nodes are nearly free to verify, but drafting a tree for every
-    sequence is not: such a probe must not keep probes frequent."""
+def test_probes_stay_frequent_until_the_realized_rates_say_drafting_loses():
+    """A cost model made pessimistic by its first probes must not back the probes off: they are
+    what would show it wrong."""
     budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
     budget.observe_draft(16, 0.05)  # drafting for 16 sequences: half a pass
     assert budget.should_draft(16, 16)  # nothing known yet: a probe
     one_good_node_each_in_two = values(*[[0.9, 0.01]] * 2, *[[0.01, 0.01]] * 14)
-    assert sum(budget.allocate(one_good_node_each_in_two, 16)) == 2  # worth verifying...
-    assert budget.interval == 44  # ... not worth drafting for: 1% of 44 steps of 0.116 s
+    assert sum(budget.allocate(one_good_node_each_in_two, 16)) == 2
+    assert budget.interval == 4  # the model says drafting loses; nothing realized says so yet
+    realize(budget, 16, drafting_speedup=0.9)
+    while not budget.should_draft(16, 16):
+        pass  # plain until the next probe
+    budget.allocate(one_good_node_each_in_two, 16)
+    assert budget.interval == 44  # now it does: 1% of 44 steps of 0.116 s
+
+
+def test_realized_rates_overrule_the_cost_model_both_ways():
+    cheap_and_good = DraftBudget(linear_cost(0.1, 0.001))
+    cheap_and_good.allocate(values(*[[0.9, 0.8, 0.7]] * 4), 4)
+    cheap_and_good.observe_draft(4, 0.01)
+    assert cheap_and_good.should_draft(4, 4)  # the model predicts drafting wins ...
+    realize(cheap_and_good, 4, drafting_speedup=0.9)
+    assert not any(cheap_and_good.should_draft(4, 4) for _ in range(15))  # ... it did not
+    dear_and_poor = DraftBudget(linear_cost(0.1, 0.001))
+    dear_and_poor.allocate(values(*[[0.2, 0.1]] * 4), 4)
+    dear_and_poor.observe_draft(4, 0.2)
+    assert not dear_and_poor.should_draft(4, 4)  # the model predicts drafting loses ...
+    realize(dear_and_poor, 4, drafting_speedup=1.1)
+    assert all(dear_and_poor.should_draft(4, 4) for _ in range(20))  # ... it won
+
+
+def test_each_batch_size_bucket_goes_by_its_own_realized_rates():
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=1000)
+    budget.allocate(values([0.5, 0.5]), 1)
+    realize(budget, 1, drafting_speedup=1.2)
+    realize(budget, 4, drafting_speedup=0.9)
+    assert budget.should_draft(1, 1)
+    assert not budget.should_draft(5, 5)  # 4 to 7 sequences share a bucket
+    assert budget.should_draft(1, 1)
+
+
+def test_a_drafting_bucket_takes_a_plain_step_every_32_drafts():
+    budget = DraftBudget(linear_cost(0.1, 0.001))
+    budget.allocate(values([0.5, 0.5]), 1)
+    realize(budget, 1, drafting_speedup=1.2)
+    decisions = [budget.should_draft(1, 1) for _ in range(66)]
+    assert [i for i, drafts in enumerate(decisions) if not drafts] == [32, 65]
 
 
 def test_one_good_probe_after_a_plain_stretch_turns_drafting_back_on():

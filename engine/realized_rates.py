@@ -1,0 +1,96 @@
+"""RealizedRates: how fast drafting steps and plain steps have really decoded, by batch size.
+
+The draft budget (engine/draft_budget.py) predicts whether drafting pays from a cost model and
+the drafts' values. Its estimates are right on average but can be off for a batch size, and a
+prediction that is a little optimistic there drafts on every step and loses to plain decoding
+(at 4 sequences: drafting steps at 0.86x plain steps' tokens per second while the model said
+1.1x). So the budget also keeps what each choice has actually delivered: per batch-size bucket
+(1, 2-3, 4-7, 8-15, ...), the tokens per sequence and seconds of its recent drafting steps and
+of its recent plain steps, whole steps both (the head, the pass, the acceptance and the commit).
+Once both have been seen often enough and differ by more than their noise, the realized rates
+decide, whatever the model predicts.
+
+A bucket that keeps drafting still needs a fresh plain step now and then to compare against: one
+every `plain_probe_interval` drafting decisions. (The other way round, the budget's own probes
+keep the drafting side fresh.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+_DRAFTED_WINDOW = 32  # drafting steps per bucket: their tokens vary from step to step
+_PLAIN_WINDOW = 8  # plain steps per bucket: they always emit one token a sequence
+_CONFIDENCE = 2.0  # standard errors apart before the realized rates decide
+
+
+@dataclass
+class _Bucket:
+    drafted: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=_DRAFTED_WINDOW)
+    )  # (tokens per sequence, seconds)
+    plain: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_PLAIN_WINDOW))
+    drafts_since_plain: int = 0  # drafting decisions since the last plain one
+
+
+class RealizedRates:
+    def __init__(
+        self, plain_probe_interval: int = 32, min_drafted: int = 16, min_plain: int = 4
+    ) -> None:
+        self.plain_probe_interval = plain_probe_interval
+        # steps of each kind before the realized rates decide: a drafting step's tokens vary
+        # (1 to 4 at one sequence), a plain step's do not
+        self.min_drafted, self.min_plain = min_drafted, min_plain
+        self.buckets: dict[int, _Bucket] = {}
+
+    def record(self, drafted: bool, num_sequences: int, num_tokens: int, seconds: float) -> None:
+        """A finished decode step that drafted (or not) for `num_sequences` sequences, emitted
+        `num_tokens` tokens for them and took `seconds` in all."""
+        samples = self._bucket(num_sequences)
+        (samples.drafted if drafted else samples.plain).append(
+            (num_tokens / num_sequences, seconds)
+        )
+
+    def drafting_wins(self, num_sequences: int) -> bool | None:
+        """Whether drafting steps have decoded faster than plain ones at this batch size; None
+        until both kinds have been seen often enough and their rates differ by more than
+        `_CONFIDENCE` standard errors. A verdict that drafting loses backs the probes off, and
+        then few drafting steps come to revise it, so a lucky or unlucky streak must not give
+        one: with 4 drafting steps and one standard error, a head worth 1.2x at one sequence
+        was judged losing within a few hundred steps and stayed plain."""
+        samples = self._bucket(num_sequences)
+        if len(samples.drafted) < self.min_drafted or len(samples.plain) < self.min_plain:
+            return None
+        drafted, plain = _rate(samples.drafted), _rate(samples.plain)
+        error = math.hypot(_standard_error(samples.drafted), _standard_error(samples.plain))
+        return None if abs(drafted - plain) <= _CONFIDENCE * error else drafted > plain
+
+    def plain_probe_due(self, num_sequences: int) -> bool:
+        """Whether a step about to draft should decode plainly instead, to refresh the plain
+        rate it is compared against."""
+        samples = self._bucket(num_sequences)
+        return samples.drafts_since_plain >= self.plain_probe_interval or (
+            len(samples.plain) < self.min_plain and len(samples.drafted) >= self.min_drafted
+        )
+
+    def decided(self, num_sequences: int, drafts: bool) -> None:
+        samples = self._bucket(num_sequences)
+        samples.drafts_since_plain = samples.drafts_since_plain + 1 if drafts else 0
+
+    def _bucket(self, num_sequences: int) -> _Bucket:
+        return self.buckets.setdefault(num_sequences.bit_length(), _Bucket())
+
+
+def _rate(samples: deque[tuple[float, float]]) -> float:
+    """Tokens per sequence per second over the steps in `samples`."""
+    return sum(tokens for tokens, _ in samples) / max(sum(s for _, s in samples), 1e-9)
+
+
+def _standard_error(samples: deque[tuple[float, float]]) -> float:
+    """Of the mean of the steps' own rates (tokens per sequence per second)."""
+    rates = [tokens / max(seconds, 1e-9) for tokens, seconds in samples]
+    mean = sum(rates) / len(rates)
+    variance = sum((r - mean) ** 2 for r in rates) / max(len(rates) - 1, 1)
+    return math.sqrt(variance / len(rates))

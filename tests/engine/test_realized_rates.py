@@ -1,0 +1,72 @@
+"""RealizedRates: the wall clock's verdict on drafting, per batch-size bucket, once it is clear."""
+
+from __future__ import annotations
+
+import random
+
+from engine.realized_rates import RealizedRates
+
+
+def record_steps(rates: RealizedRates, drafted: bool, tokens: list[float], seconds: float) -> None:
+    """Steps of one sequence each, emitting `tokens[i]` tokens in `seconds`."""
+    for num_tokens in tokens:
+        rates.record(drafted, 1, num_tokens, seconds)
+
+
+def test_no_verdict_until_both_kinds_have_been_seen_enough():
+    rates = RealizedRates(min_drafted=4, min_plain=4)
+    record_steps(rates, True, [3, 3, 3, 3], 0.02)
+    record_steps(rates, False, [1, 1, 1], 0.02)
+    assert rates.drafting_wins(1) is None  # three plain steps: not yet
+    rates.record(False, 1, 1, 0.02)
+    assert rates.drafting_wins(1) is True
+
+
+def test_a_difference_within_the_noise_of_the_steps_gives_no_verdict():
+    """At one sequence a drafting step emits 1 to 4 tokens: four lucky or unlucky steps must
+    not settle anything."""
+    rates = RealizedRates()
+    record_steps(rates, True, [2, 3, 1, 2], 0.025)  # 2 tokens a step: 80 tokens/s ...
+    record_steps(rates, False, [1] * 4, 0.02)  # ... against 50
+    assert rates.drafting_wins(1) is None
+    record_steps(rates, True, [2, 3, 1, 2] * 3, 0.025)  # 16 such steps: now it is clear
+    assert rates.drafting_wins(1) is True
+
+
+def test_a_head_that_wins_by_a_fifth_is_never_judged_losing():
+    """Steps drawn as a weak head gives them at one sequence (1.5 tokens a step on average, for
+    a quarter more time: 1.2x plain decoding), decided on after every step, with the windows
+    sliding: no streak may turn the verdict against drafting, which would stick (it backs the
+    probes off)."""
+    rng, rates, verdicts = random.Random(0), RealizedRates(), set()
+    for _ in range(2000):
+        tokens = rng.choices([1, 2, 3, 4], weights=[0.65, 0.25, 0.05, 0.05])[0]
+        rates.record(True, 1, tokens, 0.025)
+        rates.record(False, 1, 1, rng.uniform(0.019, 0.021))
+        verdicts.add(rates.drafting_wins(1))
+    assert False not in verdicts
+    assert True in verdicts  # and the gain does show
+
+
+def test_a_steady_loss_is_a_verdict_and_buckets_stay_apart():
+    rates = RealizedRates(min_drafted=4, min_plain=4)
+    for num_sequences in (4, 5, 7):  # one bucket: 4 to 7 sequences
+        rates.record(True, num_sequences, num_sequences * 1.2, 0.03)
+        rates.record(False, num_sequences, num_sequences, 0.02)
+    rates.record(True, 6, 7.2, 0.03)
+    rates.record(False, 6, 6, 0.021)
+    assert rates.drafting_wins(4) is False  # 40 tokens/s a sequence against 49
+    assert rates.drafting_wins(8) is None  # 8 to 15: nothing seen
+
+
+def test_a_drafting_bucket_is_due_a_plain_step_after_its_interval():
+    rates = RealizedRates(plain_probe_interval=3, min_drafted=2, min_plain=2)
+    record_steps(rates, True, [2, 2], 0.02)
+    assert rates.plain_probe_due(1)  # drafted often, never plain: compare
+    record_steps(rates, False, [1, 1], 0.02)
+    assert not rates.plain_probe_due(1)
+    for _ in range(3):
+        rates.decided(1, drafts=True)
+    assert rates.plain_probe_due(1)
+    rates.decided(1, drafts=False)
+    assert not rates.plain_probe_due(1)
