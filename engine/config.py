@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine.errors import AerieError
+from engine.layers.flash_attention import BACKENDS as ATTENTION_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,6 +32,9 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
     # torch.compile the target model (engine/compilation.py): faster steps, minutes of start-up
     enable_torch_compile: bool = False
+    # "auto": flash-attn on CUDA in fp16/bf16 when it is installed, else torch's SDPA;
+    # "torch" always SDPA; "flash" insists on flash-attn (engine/layers/flash_attention.py)
+    attention_backend: str = "auto"
     draft: str | None = None  # EAGLE-1/2 head folder; None: plain autoregressive decoding
     # The tree's defaults were chosen by benchmarks/bench_tree_sweep.py on this project's 2-core CPU
     # machine (benchmarks/results/tree_sweep*.json): verifying extra tokens and running the head
@@ -57,6 +61,10 @@ class EngineConfig:
         _require(
             self.dtype == "auto" or self.dtype in _DTYPES,
             f"dtype must be 'auto' or one of {sorted(_DTYPES)}",
+        )
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {list(ATTENTION_BACKENDS)}",
         )
         _require(self.draft_top_k >= 1, "draft_top_k must be >= 1")
         _require(self.draft_depth >= 1, "draft_depth must be >= 1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,12 +12,20 @@ from engine.compilation import compile_model, warm_up
 from engine.config import EngineConfig
 from engine.draft_tree import DraftTree
 from engine.kv_cache import KVCache, LayerShape
+from engine.layers.flash_attention import (
+    build_flash_attention_metadata,
+    flash_supports,
+    load_flash_kernel,
+    select_attention_backend,
+)
 from engine.layers.onednn_linear import use_onednn_linears
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 from engine.models.decoder import DecoderModel
 from engine.models.spec import ModelSpec
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 _BYTES_PER_GIB = 1 << 30
 SYNTHETIC_CONTEXT = 64  # cached entries before the new tokens of a synthetic pass
@@ -69,6 +78,16 @@ class ModelRunner:
         layers += list(extra_layers)
         self.num_blocks = self._num_kv_blocks(layers)
         self.kv_cache = KVCache(layers, self.num_blocks, config.block_size, self.dtype, self.device)
+        backend = select_attention_backend(
+            config.attention_backend,
+            self.device,
+            self.dtype,
+            spec.head_dim,
+            compiled=config.enable_torch_compile,
+        )
+        logger.info("attention backend: %s", backend)
+        # flash-attn's varlen kernel when the flash backend serves this model, else None
+        self.flash_kernel = load_flash_kernel() if backend == "flash" else None
         self.forward = self.model  # [T] ids, [T] positions, K/V, metadata -> [T, hidden]
         if config.enable_torch_compile:  # inductor freezes the weights into its graphs
             self.forward = compile_model(self.model)
@@ -204,6 +223,11 @@ class ModelRunner:
         )
 
     def _attention_metadata(self, sequences: list[SequenceAttention]):
+        window = self.spec.sliding_window
+        if self.flash_kernel is not None and flash_supports(sequences, window):
+            return build_flash_attention_metadata(
+                sequences, self.config.block_size, self.device, self.flash_kernel, window
+            )
         # A compiled model keeps one attention group: its graphs must not vary with their number.
         return build_attention_metadata(
             sequences,

@@ -1,10 +1,12 @@
-"""Self-attention of a decoder layer: fused QKV, optional q/k norm, rotary, paged attention."""
+"""Self-attention of a decoder layer: fused QKV, optional q/k norm, rotary, paged attention (the
+torch backend, or flash-attn's when the step's metadata is built for it)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.layers.flash_attention import FlashAttentionMetadata, flash_paged_attention
 from engine.layers.norm import RMSNorm
 from engine.layers.paged_attention import AttentionMetadata, paged_attention, store_kv
 from engine.layers.rotary import apply_rotary
@@ -34,10 +36,13 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [T, 1, D]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KV, D]
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | FlashAttentionMetadata,  # its type picks the backend
     ) -> torch.Tensor:  # [T, hidden]
         q, k, v = self._project(x, cos_sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H * D]
+        if isinstance(meta, FlashAttentionMetadata):
+            out = flash_paged_attention(q, k, v, *kv_cache, meta, self.scale)  # [T, H * D]
+        else:
+            out = paged_attention(q, k, v, *kv_cache, meta, self.scale)  # [T, H * D]
         return self.o_proj(out)
 
     def store_kv(

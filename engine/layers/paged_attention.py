@@ -6,7 +6,8 @@ already cached plus the new ones). The metadata says where each new token's K/V 
 and shared by every layer. Keys are gathered block by block (whole blocks are contiguous in the
 cache, so the copy runs at memory speed), which pads each sequence's keys to whole blocks; the
 mask hides the padding. Sequences with similar numbers of new tokens form a group whose queries
-are padded to [B, Q] for one SDPA call (see `build_attention_metadata`).
+are padded to [B, Q] for one SDPA call (see `build_attention_metadata`). This is the "torch"
+backend, on every device; flash_attention.py holds the optional flash-attn one.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def build_attention_metadata(
     num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
     num_new = torch.tensor([s.num_new for s in sequences])  # [B]
     first_token = torch.cumsum(num_new, 0) - num_new  # [B] flat index of each one's first token
-    tables = _block_tables(sequences, block_size)  # [B, max_blocks]
-    slot_mapping = _new_token_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
+    tables = used_block_tables(sequences, block_size)  # [B, max_blocks]
+    slot_mapping = entry_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
     members = _query_groups(num_new.tolist()) if group_queries else [list(range(len(sequences)))]
     # The queries are a view of the step's tokens when one group holds sequences of equal query
     # counts. A compiled model takes that path for a single sequence only, so that one graph
@@ -167,15 +168,15 @@ def _group(
     )
 
 
-def _new_token_slots(
+def entry_slots(
     tables: torch.Tensor,  # [B, max_blocks]
-    num_cached: torch.Tensor,  # [B]
-    num_new: torch.Tensor,  # [B]
-    first_token: torch.Tensor,  # [B] flat index of each sequence's first new token
+    first_entry: torch.Tensor,  # [B] each sequence's first entry wanted (new tokens: num_cached)
+    num_entries: torch.Tensor,  # [B] how many entries from there (new tokens: num_new)
+    first_row: torch.Tensor,  # [B] cumsum(num_entries) - num_entries: each one's first row
     block_size: int,
-) -> torch.Tensor:  # [T] flat cache slot of each new token, sequence by sequence
-    row = torch.repeat_interleave(torch.arange(len(tables)), num_new)  # [T] its sequence
-    entry = num_cached[row] + torch.arange(len(row)) - first_token[row]  # [T] its key entry
+) -> torch.Tensor:  # [N] flat cache slot of each wanted entry, sequence by sequence
+    row = torch.repeat_interleave(torch.arange(len(tables)), num_entries)  # [N] its sequence
+    entry = first_entry[row] + torch.arange(len(row)) - first_row[row]  # [N] its cache entry
     return tables[row, entry // block_size] * block_size + entry % block_size
 
 
@@ -191,7 +192,7 @@ def _positions(sequences: list[SequenceAttention], num_queries: int, num_keys: i
     return query_pos, key_pos
 
 
-def _block_tables(
+def used_block_tables(
     sequences: list[SequenceAttention], block_size: int
 ) -> torch.Tensor:  # [B, max_blocks]
     """The blocks each sequence reads: those holding its context and new tokens. A block table
@@ -217,8 +218,8 @@ def new_token_slots(
 ) -> torch.Tensor:  # [T] flat cache slot of each new token, sequence by sequence
     """Where the new tokens' K/V goes, for a pass that only stores it (no attention)."""
     num_new = torch.tensor([s.num_new for s in sequences])  # [B]
-    return _new_token_slots(
-        _block_tables(sequences, block_size),
+    return entry_slots(
+        used_block_tables(sequences, block_size),
         torch.tensor([s.num_cached for s in sequences]),
         num_new,
         torch.cumsum(num_new, 0) - num_new,

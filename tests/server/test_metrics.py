@@ -3,7 +3,10 @@ exactly the documented families, and each series moves by what the traffic did."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -16,6 +19,7 @@ from tests.server.conftest import (
     SPEC_DEPTH,
     SPEC_NAME,
     SPEC_TOTAL_TOKENS,
+    TINY_NAME,
     LiveServer,
     spec_server_args,
     sse_events,
@@ -307,7 +311,66 @@ def test_an_abandoned_stream_counts_as_aborted(spec_server) -> None:
     assert after("aerie_kv_cache_usage_ratio") == 0
 
 
+# ------------------------------------------------------------------------------- under load
+# A pool of 24 blocks of 16 tokens (384) for at most 3 sequences of some 8 + 200 tokens (13 blocks
+# each, 39 for three): they outgrow it together, so the newest are preempted; 5 requests for 3
+# slots keep 2 waiting.
+LOAD_FLAGS = ("--block-size", "16", "--num-kv-blocks", "24", "--max-num-seqs", "3")
+NUM_LOAD_REQUESTS, LOAD_TOKENS = 5, 200
+
+
+def test_the_gauges_move_under_load_and_settle_after_it(spawn) -> None:
+    server = spawn(*LOAD_FLAGS)
+    before = server.metrics()
+
+    def long_request(index: int) -> dict:
+        body = {
+            "model": TINY_NAME,
+            "prompt": f"load {index}: ",
+            "max_tokens": LOAD_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        response = server.post("/v1/completions", body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    scrapes = []
+    with ThreadPoolExecutor(NUM_LOAD_REQUESTS) as pool:
+        replies = [pool.submit(long_request, i) for i in range(NUM_LOAD_REQUESTS)]
+        while not all(reply.done() for reply in replies):
+            scrapes.append(server.metrics())
+            time.sleep(0.02)
+        usages = [reply.result()["usage"]["completion_tokens"] for reply in replies]
+    after = server.metrics()
+
+    assert usages == [LOAD_TOKENS] * NUM_LOAD_REQUESTS
+    assert max(s["aerie_num_requests_running"] for s in scrapes) > 0
+    assert max(s["aerie_num_requests_running"] for s in scrapes) <= 3
+    assert max(s["aerie_num_requests_waiting"] for s in scrapes) > 0, "5 requests, 3 slots"
+    kv_usage = [s["aerie_kv_cache_usage_ratio"] for s in scrapes]
+    assert 0 < max(kv_usage) <= 1 and min(kv_usage) >= 0
+    preempted = after["aerie_num_preemptions_total"] - before["aerie_num_preemptions_total"]
+    assert preempted > 0, "the sequences outgrew the pool together"
+    assert after["aerie_num_requests_running"] == after["aerie_num_requests_waiting"] == 0
+    assert after["aerie_kv_cache_usage_ratio"] == 0, "every block is free again"
+
+
 # ------------------------------------------------------------------------------- offline
+def test_the_engine_does_not_import_prometheus_client() -> None:
+    """The engine emits plain stats records; only server/metrics.py knows Prometheus."""
+    code = (
+        "import sys, engine, engine.llm_engine, drafting.eagle_drafter\n"
+        "tops = {name.split('.')[0] for name in sys.modules}\n"
+        "print(sorted(tops & {'prometheus_client', 'server'}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"imported by the engine: {result.stdout}"
+
+
 def fake_engine(draft: str | None, depth: int = 4, max_model_len: int = 4096):
     config = SimpleNamespace(draft=draft, draft_depth=depth)
     return SimpleNamespace(config=config, max_model_len=max_model_len, stats_listeners=[])
