@@ -28,6 +28,7 @@ from engine.model_files import load_state_dict
 from engine.models.spec import ModelSpec
 
 _LAYER = "layers.0."
+_REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
@@ -45,7 +46,12 @@ class HeadSpec:
     has_embedding: bool
 
     @classmethod
-    def from_files(cls, config: dict, weights: dict[str, torch.Tensor]) -> HeadSpec:
+    def from_files(
+        cls, config: dict, weights: dict[str, torch.Tensor], folder: str | Path = ""
+    ) -> HeadSpec:
+        missing = [k for k in _REQUIRED_CONFIG_KEYS if config.get(k) is None]
+        if missing:
+            raise ModelLoadError(f"draft head {folder}: config.json lacks {', '.join(missing)}")
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         return cls(
             hidden_size=hidden,
@@ -128,7 +134,7 @@ def load_head(
     config = _read_config(folder)
     weights = load_state_dict(folder)
     _refuse_eagle3(config, weights, folder)
-    spec = HeadSpec.from_files(config, weights)
+    spec = HeadSpec.from_files(config, weights, folder)
     _check_against_target(spec, target, weights, folder)
     from transformers import LlamaConfig
 
@@ -146,9 +152,12 @@ def _read_config(folder: Path) -> dict:
     if not config_path.is_file():
         raise ModelLoadError(f"draft head {folder}: no config.json (expected an EAGLE head folder)")
     try:
-        return json.loads(config_path.read_text())
+        config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"draft head {folder}: unreadable config.json ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"draft head {folder}: config.json is not a JSON object")
+    return config
 
 
 def _read_draft_vocab(folder: Path, vocab_size: int) -> torch.Tensor | None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from numbers import Integral, Real
 
 from engine.errors import InvalidRequestError
 
@@ -38,6 +41,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         # Accept the forms users pass (a single stop string, lists) and store hashable tuples.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -48,6 +52,50 @@ class SamplingParams:
                 self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()}
             )
         self._validate()
+
+    def _check_types(self) -> None:
+        """Each field has its annotated type (bools are not numbers here), checked before any
+        comparison: n=1.5 would otherwise pass `n >= 1`, and a string would raise TypeError."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # The annotations are strings (postponed evaluation): "int", "float | None", ...
+            kind = f.type.removesuffix(" | None")
+            if value is None and f.type.endswith(" | None"):
+                continue
+            if kind == "int":
+                _check(_is_int(value), f"{f.name} must be an integer, got {value!r}", f.name)
+            elif kind == "float":
+                _check(
+                    _is_finite(value), f"{f.name} must be a finite number, got {value!r}", f.name
+                )
+            elif kind == "bool":
+                _check(
+                    isinstance(value, bool), f"{f.name} must be a boolean, got {value!r}", f.name
+                )
+        stop = self.stop
+        _check(
+            stop is None
+            or isinstance(stop, str)
+            or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)),
+            "stop must be a string or a list of strings",
+            "stop",
+        )
+        ids = self.stop_token_ids
+        _check(
+            ids is None or (isinstance(ids, (list, tuple)) and all(map(_is_int, ids))),
+            "stop_token_ids must be a list of integers",
+            "stop_token_ids",
+        )
+        bias = self.logit_bias
+        _check(
+            bias is None
+            or (
+                isinstance(bias, Mapping)
+                and all(_is_int(k) and _is_finite(v) for k, v in bias.items())
+            ),
+            "logit_bias must map token ids (integers) to numbers",
+            "logit_bias",
+        )
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n must be at least 1", "n")
@@ -109,6 +157,14 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
         )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, message: str, param: str) -> None:

@@ -81,11 +81,55 @@ def test_a_head_for_another_target_is_refused(bigram_target, random_head, tmp_pa
         load(quantized, bigram_target)
 
 
-def test_eagle3_heads_are_refused_clearly(bigram_target, random_head, tmp_path):
+def rewrite_config(folder, change) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def add_midlayer(weights) -> None:  # EAGLE-3 names its decoder layer `midlayer`
+    for name in [n for n in weights if n.startswith("layers.0.")]:
+        weights[name.replace("layers.0.", "midlayer.")] = weights.pop(name)
+
+
+EAGLE3_MARKS = {
+    "d2t": lambda folder: rewrite_weights(
+        folder, lambda w: w.update({"d2t": torch.zeros(8, dtype=torch.long)})
+    ),
+    "architectures-Eagle3": lambda folder: rewrite_config(
+        folder, lambda c: c.update({"architectures": ["LlamaForCausalLMEagle3"]})
+    ),
+    "architectures-eagle3": lambda folder: rewrite_config(
+        folder, lambda c: c.update({"architectures": ["eagle3"]})
+    ),
+    "midlayer-keys": lambda folder: rewrite_weights(folder, add_midlayer),
+}
+
+
+@pytest.mark.parametrize("mark", EAGLE3_MARKS)
+def test_eagle3_heads_are_refused_clearly(bigram_target, random_head, tmp_path, mark):
     eagle3 = shutil.copytree(random_head, tmp_path / "eagle3")
-    rewrite_weights(eagle3, lambda w: w.update({"d2t": torch.zeros(8, dtype=torch.long)}))
-    with pytest.raises(ModelLoadError, match="EAGLE-3"):
+    EAGLE3_MARKS[mark](eagle3)
+    with pytest.raises(ModelLoadError, match="EAGLE-3 head, which is not supported yet"):
         load(eagle3, bigram_target)
+
+
+@pytest.mark.parametrize(
+    "key", ["hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"]
+)
+@pytest.mark.parametrize("how", ["absent", "null"])
+def test_a_config_without_a_required_key_is_named(bigram_target, random_head, tmp_path, key, how):
+    broken = shutil.copytree(random_head, tmp_path / "broken")
+    rewrite_config(broken, lambda c: c.pop(key) if how == "absent" else c.update({key: None}))
+    with pytest.raises(ModelLoadError, match=f"config.json lacks {key}"):
+        load(broken, bigram_target)
+
+
+def test_a_config_that_is_not_an_object_is_refused(bigram_target, random_head, tmp_path):
+    broken = shutil.copytree(random_head, tmp_path / "broken")
+    (broken / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match="not a JSON object"):
+        load(broken, bigram_target)
 
 
 def test_missing_or_broken_heads_are_clear_errors(bigram_target, random_head, tmp_path):

@@ -12,6 +12,7 @@ import transformers
 
 from engine import LLM, SamplingParams
 from engine.model_runner import ForwardOutput, ModelRunner
+from tests.engine.helpers import assert_block_invariants
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 NEAR_TIE = 1e-4
@@ -223,7 +224,21 @@ def test_blocks_come_back_under_random_load_with_aborts(bigram_target, trained_h
     )
     engine, rng = llm.engine, random.Random(7)
     finished: dict[str, int] = {}
-    prompts = mixed_prompts(120, seed=8)
+    stats = []
+    engine.stats_listeners.append(stats.append)
+
+    def step() -> None:
+        for output in engine.step():
+            finished[output.request_id] = finished.get(output.request_id, 0) + output.finished
+        assert_block_invariants(engine)
+
+    # A third of the prompts extend one of three shared prefixes (full blocks and a partial one),
+    # so sequences share cached blocks while others draft, get preempted or are aborted.
+    shared = mixed_prompts(3, seed=9)
+    prompts = [
+        rng.choice(shared)[: rng.randrange(1, 45)] + tail if rng.random() < 0.35 else tail
+        for tail in mixed_prompts(120, seed=8)
+    ]
     for i, prompt in enumerate(prompts):
         params = SamplingParams(
             temperature=rng.choice([0.0, 1.0]),
@@ -233,17 +248,18 @@ def test_blocks_come_back_under_random_load_with_aborts(bigram_target, trained_h
         )
         engine.add_request(str(i), prompt, params)
         if rng.random() < 0.5:
-            for output in engine.step():
-                finished[output.request_id] = finished.get(output.request_id, 0) + output.finished
+            step()
         if rng.random() < 0.15:
             victim = str(rng.randrange(i + 1))
             final = engine.abort_request(victim)
             if final is not None:
                 finished[victim] = finished.get(victim, 0) + 1
+            assert_block_invariants(engine)
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            finished[output.request_id] = finished.get(output.request_id, 0) + output.finished
+        step()
     assert engine.scheduler.num_preemptions > 0
+    assert sum(s.num_prefix_cache_hits for s in stats) > 0
+    assert sum(s.num_accepted_tokens for s in stats) > 0
     assert sorted(finished, key=int) == [str(i) for i in range(len(prompts))]
     assert set(finished.values()) == {1}
     manager = engine.block_manager

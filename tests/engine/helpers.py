@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,3 +116,17 @@ def run_engine(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestO
             return outputs
         collect(outputs, engine.step())
     raise AssertionError(f"requests still unfinished after {max_steps} steps (engine stalled?)")
+
+
+def assert_block_invariants(engine: LLMEngine) -> None:
+    """Each block's reference count equals the number of live block tables holding it; a block
+    is on the free list exactly when nobody holds it; the prefix cache index is consistent."""
+    manager, scheduler = engine.block_manager, engine.scheduler
+    held = Counter(b for seq in [*scheduler.running, *scheduler.waiting] for b in seq.block_table)
+    for block in manager.blocks:
+        assert block.ref_count == held[block.block_id], f"block {block.block_id}"
+        assert (block.block_id in manager.free_block_ids) == (block.ref_count == 0)
+    for block_hash, block_id in manager.cached_block_ids.items():
+        assert manager.blocks[block_id].hash == block_hash
+    for seq in scheduler.waiting:
+        assert seq.block_table == [] or seq.num_computed_tokens == 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine import RequestOutput, SamplingParams
 from engine.llm_engine import LLMEngine
-from tests.engine.helpers import random_prompt, run_engine, tiny_engine
+from tests.engine.helpers import assert_block_invariants, random_prompt, run_engine, tiny_engine
 
 NUM_REQUESTS = 500
 BLOCK_SIZE = 4
@@ -47,20 +47,6 @@ def make_plans(rng: random.Random) -> list[Plan]:
         abort = rng.randint(0, 10) if rng.random() < 0.15 else None
         plans.append(Plan(f"r{i}", prompt, params, abort))
     return plans
-
-
-def assert_block_invariants(engine: LLMEngine) -> None:
-    """Each block's reference count equals the number of live block tables holding it; a block
-    is on the free list exactly when nobody holds it; the prefix cache index is consistent."""
-    manager, scheduler = engine.block_manager, engine.scheduler
-    held = Counter(b for seq in [*scheduler.running, *scheduler.waiting] for b in seq.block_table)
-    for block in manager.blocks:
-        assert block.ref_count == held[block.block_id], f"block {block.block_id}"
-        assert (block.block_id in manager.free_block_ids) == (block.ref_count == 0)
-    for block_hash, block_id in manager.cached_block_ids.items():
-        assert manager.blocks[block_id].hash == block_hash
-    for seq in scheduler.waiting:
-        assert seq.block_table == [] or seq.num_computed_tokens == 0
 
 
 class DeltaLog:

@@ -74,6 +74,13 @@ ENGINE_SETUPS = {
     "chunked-prefill": {"max_num_batched_tokens": 8},
     # 32 blocks of 4 tokens hold two of the longest sequences (40 + 24 tokens), not six.
     "preemption": {"block_size": 4, "num_kv_blocks": 32},
+    # Both at once: preempted sequences are recomputed in chunks of at most 8 tokens, beside the
+    # decodes and the other prompts' chunks; 20 blocks hold one longest sequence and a bit.
+    "chunked-prefill-and-preemption": {
+        "max_num_batched_tokens": 8,
+        "block_size": 4,
+        "num_kv_blocks": 20,
+    },
     # Two slots: later prompts are prefilled beside others' steps, and the longer ones (over 16
     # new tokens) in a pass of their own.
     "torch-compile": {"enable_torch_compile": True, "max_num_seqs": 2},
@@ -83,7 +90,8 @@ ENGINE_SETUPS = {
 @pytest.mark.parametrize("setup", ENGINE_SETUPS)
 def test_greedy_matches_transformers(setup, generation_model, prompts, references) -> None:
     dynamo_counters.clear()
-    llm = tiny_llm(generation_model, **ENGINE_SETUPS[setup])
+    options = ENGINE_SETUPS[setup]
+    llm = tiny_llm(generation_model, **options)
     prompt_tokens_per_step: list[int] = []
     llm.engine.stats_listeners.append(lambda s: prompt_tokens_per_step.append(s.num_prompt_tokens))
     forward, passes = llm.engine.runner.forward, []
@@ -95,11 +103,12 @@ def test_greedy_matches_transformers(setup, generation_model, prompts, reference
         choice = only_choice(output)
         assert choice.finish_reason == "length"
         assert_greedy_matches(choice.token_ids, reference, f"{setup}, prompt of {len(prompt)}")
-    if setup == "chunked-prefill":
+    if "max_num_batched_tokens" in options:  # it chunked
         assert max(prompt_tokens_per_step) <= 8
         assert sum(prompt_tokens_per_step) >= sum(PROMPT_LENGTHS)
-    if setup == "preemption":
+    if "num_kv_blocks" in options:  # it preempted, and recomputed what it freed
         assert llm.engine.scheduler.num_preemptions > 0
+        assert sum(prompt_tokens_per_step) > sum(PROMPT_LENGTHS)
     if setup == "torch-compile":
         assert len(passes) > len(prompt_tokens_per_step)  # some steps ran two passes
         # a graph break would leave the model (partly) eager: correct, but slow

@@ -303,6 +303,24 @@ def test_convert_missing_gguf(tmp_path: Path) -> None:
         model_files.convert_gguf(tmp_path / "absent.gguf", tmp_path / "out")
 
 
+@pytest.mark.parametrize(
+    "content",
+    [bytes(range(256)) * 8, b"GGUF" + b"\xff" * 3, b"GGUF\x03\x00\x00\x00" + b"\x01" * 60],
+    ids=["junk", "truncated-after-the-magic", "garbage-header"],
+)
+def test_corrupt_gguf_is_a_model_load_error(
+    content: bytes, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AERIE_CACHE", str(cache))
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(content)
+    with pytest.raises(ModelLoadError, match=re.escape(str(gguf))):
+        model_files.resolve_model_path(gguf)
+    # nothing half-converted is left for a later run to mistake for a model
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
+
+
 def test_aerie_convert_prints_folder(
     capsys: pytest.CaptureFixture[str], safetensors_folder: Path
 ) -> None:

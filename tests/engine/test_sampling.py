@@ -53,6 +53,9 @@ PROBS = (0.05, 0.5, 0.15, 0.3)  # ranked: 1, 3, 2, 0
         ({"top_k": 2}, {1, 3}),
         ({"top_k": 3}, {1, 3, 2}),
         ({"top_k": 100}, {0, 1, 2, 3}),
+        ({"top_k": 0}, {0, 1, 2, 3}),  # off
+        ({"top_k": -1}, {0, 1, 2, 3}),  # off, as vLLM and the OpenAI servers spell it
+        ({"top_k": -1, "top_p": 0.75}, {1, 3}),  # the other filters still apply
         ({"top_p": 0.4}, {1}),  # 0.5 alone covers 0.4
         ({"top_p": 0.75}, {1, 3}),  # 0.5 + 0.3 = 0.8 covers 0.75
         ({"top_p": 0.9}, {1, 3, 2}),
@@ -89,15 +92,17 @@ def test_temperature_applies_before_top_p() -> None:
 
 
 def test_rows_are_filtered_independently() -> None:
-    logits = log_probs(*PROBS).repeat(4, 1)
+    logits = log_probs(*PROBS).repeat(5, 1)
     params = [
         SamplingParams(top_k=1),
         SamplingParams(top_p=0.75),
         SamplingParams(min_p=0.2),
         SamplingParams(),
+        SamplingParams(top_k=-1),  # off, beside a row whose top-k is on
     ]
     probs = target_probabilities(logits, params)
-    assert [kept(row[None]) for row in probs] == [{1}, {1, 3}, {1, 2, 3}, {0, 1, 2, 3}]
+    expected = [{1}, {1, 3}, {1, 2, 3}, {0, 1, 2, 3}, {0, 1, 2, 3}]
+    assert [kept(row[None]) for row in probs] == expected
 
 
 def test_greedy_rows_are_one_hot_at_the_argmax() -> None:

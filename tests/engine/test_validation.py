@@ -5,6 +5,7 @@ happened."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,44 @@ def test_bad_sampling_params(llm, options, param, match) -> None:
     error = expect_error(InvalidRequestError, match, SamplingParams, **options)
     assert error.param == param
     assert_serves_normally(llm)
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"n": 1.5}, "n"),  # passed `n >= 1` and then forked choices forever
+        ({"n": "2"}, "n"),
+        ({"n": True}, "n"),
+        ({"max_tokens": 2.0}, "max_tokens"),
+        ({"max_tokens": "16"}, "max_tokens"),
+        ({"min_tokens": 1.5}, "min_tokens"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"logprobs": 1.0}, "logprobs"),
+        ({"seed": "7"}, "seed"),
+        ({"temperature": "0.7"}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": None}, "top_p"),
+        ({"min_p": "0"}, "min_p"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": False}, "frequency_penalty"),
+        ({"repetition_penalty": "1.1"}, "repetition_penalty"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["ok", 5]}, "stop"),
+        ({"stop_token_ids": [2.5]}, "stop_token_ids"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: "high"}}, "logit_bias"),
+    ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else None,
+)
+def test_sampling_params_of_the_wrong_type(options, param) -> None:
+    error = expect_error(InvalidRequestError, re.escape(param), SamplingParams, **options)
+    assert error.param == param
+
+
+def test_sampling_params_accept_ints_for_floats() -> None:
+    params = SamplingParams(temperature=1, top_p=1, repetition_penalty=2, logit_bias={5: 1})
+    assert params.temperature == 1 and params.logit_bias == {5: 1.0}
 
 
 @pytest.mark.parametrize("prompt", ["", []], ids=["empty-text", "no-token-ids"])
