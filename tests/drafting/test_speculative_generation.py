@@ -199,19 +199,6 @@ def test_a_small_tree_gets_its_node_logits_with_the_verify_pass(
     assert with_trees and all(len(p.tree_logits) <= 3 for p in with_trees)
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(bigram_target, trained_head):
-    prompts = mixed_prompts(8, seed=4)
-    params = [
-        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=25, seed=100 + i)
-        for i in range(len(prompts))
-    ]
-    _, together = generate(bigram_target, trained_head, prompts, params, num_kv_blocks=1024)
-    _, again = generate(bigram_target, trained_head, prompts, params, num_kv_blocks=1024)
-    _, alone = generate(bigram_target, trained_head, prompts[2:3], params[2:3], num_kv_blocks=1024)
-    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in again]
-    assert alone[0].outputs[0].token_ids == together[2].outputs[0].token_ids
-
-
 def test_blocks_come_back_under_random_load_with_aborts(bigram_target, trained_head):
     llm = LLM(
         str(bigram_target),
