@@ -2,7 +2,9 @@
 
 `add_request` validates at once (raising the engine's ValueError subclasses in the caller) and
 returns an async iterator of deltas. Closing that iterator early (a client that went away) aborts
-the request, which frees its KV blocks. Nothing here blocks the event loop on torch.
+the request, which frees its KV blocks. An internal fault while adding a request, or in a step,
+fails that request (or the requests that step scheduled) with EngineStepError; the engine thread
+goes on. Nothing here blocks the event loop on torch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineStepError(RuntimeError):
-    """The engine failed while running a request; the request was ended, the engine goes on."""
+    """The engine failed while adding or running a request; that request (and any other the
+    failed step had scheduled) was ended, the engine goes on."""
 
 
 @dataclass
@@ -56,6 +59,12 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        """Requests in flight, or sent and not yet picked up by the engine thread (approximate:
+        read from another thread)."""
+        return self.engine.has_unfinished_requests() or not self._inbox.empty()
 
     @property
     def num_waiting_requests(self) -> int:
@@ -105,18 +114,32 @@ class AsyncLLM:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._wakeup.clear()
-            try:
-                self._handle_inbox()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait()
-                    continue
-                outputs = self.engine.step()
-            except Exception as exc:  # a fault fails the requests in flight, not the engine
-                logger.exception("engine step failed")
-                self._fail_all(exc)
+            self._handle_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
                 continue
-            for output in outputs:
-                self._deliver(output)
+            self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a fault fails the requests of that step, not the engine
+            logger.exception("engine step failed")
+            for request_id in self._requests_of_failed_step():
+                self._abort_quietly(request_id)
+                self._fail_stream(request_id, exc)
+            return
+        for output in outputs:
+            self._deliver(output)
+
+    def _requests_of_failed_step(self) -> set[str]:
+        """The requests the failed step scheduled, still in flight: their state is in doubt.
+        If none (schedule() itself failed on a batch that has since ended), every request,
+        since nothing tells which one the fault is about."""
+        in_flight = set(self.engine.requests) | set(self._streams)
+        batch = self.engine.last_schedule
+        scheduled = {item.seq.request.request_id for item in batch.scheduled} & in_flight
+        return scheduled or in_flight
 
     def _handle_inbox(self) -> None:
         while True:
@@ -125,17 +148,45 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if kind == "add":
-                try:
-                    self.engine.add_request(payload.request_id, payload)
-                    self._streams[payload.request_id] = stream
-                except ValueError as exc:  # e.g. a duplicate request id
-                    stream.put(exc)
+                self._add(payload, stream)
                 continue
             request_ids = list(self.engine.requests) if kind == "abort_all" else [payload]
             for request_id in request_ids:
-                final = self.engine.abort_request(request_id)
+                final = self._abort_quietly(request_id)
                 if final is not None:
                     self._deliver(final)
+
+    def _add(self, request: Request, stream: _Stream) -> None:
+        """Add one request; if that fails, that request alone fails (its client is told)."""
+        request_id = request.request_id
+        try:
+            self.engine.add_request(request_id, request)
+        except ValueError as exc:  # e.g. a duplicate request id: the running one is untouched
+            stream.put(exc)
+            return
+        except Exception as exc:
+            logger.exception("could not add request %s", request_id)
+            if self.engine.requests.get(request_id) is request:  # it got in half-way
+                self._abort_quietly(request_id)
+            stream.put(_internal_error(exc))
+            return
+        self._streams[request_id] = stream
+
+    def _abort_quietly(self, request_id: str) -> RequestOutput | None:
+        """`abort_request` that never raises: a request that cannot be aborted cleanly is
+        dropped (its blocks may leak, but the engine must live on) and its client told."""
+        try:
+            return self.engine.abort_request(request_id)
+        except Exception as exc:
+            logger.exception("could not abort %s cleanly", request_id)
+            self.engine.requests.pop(request_id, None)
+            self._fail_stream(request_id, exc)
+            return None
+
+    def _fail_stream(self, request_id: str, exc: Exception) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(_internal_error(exc))
 
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
@@ -144,13 +195,6 @@ class AsyncLLM:
         if stream is not None:
             stream.put(output)
 
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id in list(self.engine.requests):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:  # its blocks may leak, but the engine must live on
-                logger.exception("could not abort %s cleanly", request_id)
-                self.engine.requests.pop(request_id, None)
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.put(EngineStepError(f"internal engine error: {exc}"))
+
+def _internal_error(exc: Exception) -> EngineStepError:
+    return EngineStepError(f"internal engine error: {exc}")

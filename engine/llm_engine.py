@@ -76,6 +76,7 @@ class LLMEngine:
         self.drafter: Drafter = self._make_drafter(head) if head else AutoregressiveDrafter()
         self.scheduler = Scheduler(config, self.block_manager, self.drafter.num_lookahead_tokens)
         self.requests: dict[str, Request] = {}
+        self.last_schedule = SchedulerOutput()  # the latest step's; read when a step fails
         self.stats_listeners: list[Callable[[StepStats], None]] = []
         self._seq_ids = itertools.count()
         self._finished_stats: list[FinishedRequestStats] = []
@@ -187,7 +188,7 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.last_schedule = self.scheduler.schedule()
         if not batch.scheduled:
             return []
         self._mark_scheduled(batch, time.monotonic())

@@ -3,28 +3,94 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from engine.async_llm import AsyncLLM, EngineStepError
 from engine.errors import AerieError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from server.errors import APIError, ClientDisconnected, api_error_from_engine
+from server.errors import APIError, ClientDisconnected, api_error_from_engine, error_body
 from server.protocol import Usage
 
 logger = logging.getLogger("aerie.server")
 
 
-def start_requests(
+class EngineCall:
+    """The engine requests behind one HTTP call (one per prompt): their deltas, the tokens so
+    far, and the call's one log line. `close()` aborts whatever has not finished (a client that
+    left, an engine fault) and writes that line; closing twice does nothing."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        request_id: str,
+        sub_ids: list[str],
+        streams: list[AsyncIterator[RequestOutput]],
+        num_prompt_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_completion_tokens = 0
+        self._engine, self._sub_ids, self._streams = engine, sub_ids, streams
+        self._started = time.monotonic()
+        self._finish_reasons: dict[tuple[int, int], str] = {}  # (prompt, choice) -> reason
+        self._finished: set[int] = set()  # prompts whose request has ended
+        self._failed = self._closed = False
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._sub_ids)
+
+    @property
+    def usage(self) -> Usage:
+        return token_usage(self.num_prompt_tokens, self.num_completion_tokens)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every request's deltas as they come, tagged with its prompt's index; an engine
+        fault raises APIError (500)."""
+        try:
+            async for index, delta in merged(self._streams):
+                self._count(index, delta)
+                yield index, delta
+        except EngineStepError as exc:
+            self._failed = True
+            raise APIError(500, str(exc), code="internal_error") from None
+        except AerieError as exc:  # refused by the engine thread after all (a duplicate id)
+            self._failed = True
+            raise api_error_from_engine(exc) from None
+
+    def _count(self, index: int, delta: RequestOutput) -> None:
+        for c in delta.outputs:
+            self.num_completion_tokens += len(c.token_ids)
+            if c.finish_reason is not None:
+                self._finish_reasons[index, c.index] = c.finish_reason
+        if delta.finished:
+            self._finished.add(index)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        unfinished = [i for i in range(len(self._sub_ids)) if i not in self._finished]
+        for index in unfinished:
+            self._engine.abort(self._sub_ids[index])
+        if unfinished:
+            reasons = ["error" if self._failed else "abort"]
+        else:
+            reasons = [self._finish_reasons[key] for key in sorted(self._finish_reasons)]
+        log_request(self.request_id, self.usage, self._started, reasons)
+
+
+def start_call(
     engine: AsyncLLM, request_id: str, prompts: list[list[int]], params: SamplingParams
-) -> list[AsyncIterator[RequestOutput]]:
+) -> EngineCall:
     """Add one engine request per prompt; if any is invalid, none is left running."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     streams = []
@@ -35,7 +101,24 @@ def start_requests(
         for sub_id in ids[: len(streams)]:
             engine.abort(sub_id)
         raise api_error_from_engine(exc) from None
-    return streams
+    return EngineCall(engine, request_id, ids, streams, sum(len(p) for p in prompts))
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """SSE whose engine requests end with it: however the response ends (complete, the client
+    gone before or during the first chunk, the server stopping), its generator is closed at
+    once, not when garbage-collected, and the call is closed (unfinished requests aborted)."""
+
+    def __init__(self, chunks: AsyncGenerator[str, None], call: EngineCall) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self._chunks, self._call = chunks, call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._call.close()
+            await self._chunks.aclose()
 
 
 async def merged(
@@ -74,14 +157,13 @@ async def merged(
             task.cancel()
 
 
-async def collect(
-    streams: list[AsyncIterator[RequestOutput]], http_request: Request
-) -> list[RequestOutput]:
-    """The final outputs of every request, aborting them all if the client disconnects."""
+async def collect(call: EngineCall, http_request: Request) -> list[RequestOutput]:
+    """The final outputs of every request of the call, aborting them all if the client
+    disconnects; the call is closed (and logged) however this ends."""
 
     async def consume() -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async for index, delta in merged(streams):
+        finals: list[RequestOutput | None] = [None] * call.num_requests
+        async for index, delta in call.deltas():
             if finals[index] is None:
                 finals[index] = delta
             else:
@@ -92,17 +174,13 @@ async def collect(
     watcher = asyncio.ensure_future(_wait_for_disconnect(http_request))
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise ClientDisconnected
+        return work.result()  # an engine fault raises its APIError here
     finally:
         watcher.cancel()
-    if not work.done():
         work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
-        raise ClientDisconnected
-    try:
-        return work.result()
-    except EngineStepError as exc:
-        raise APIError(500, str(exc), code="internal_error") from None
+        call.close()
 
 
 async def _wait_for_disconnect(http_request: Request) -> None:
@@ -110,11 +188,6 @@ async def _wait_for_disconnect(http_request: Request) -> None:
         message = await http_request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def usage_of(outputs: list[RequestOutput]) -> Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    return token_usage(prompt, sum(len(c.token_ids) for o in outputs for c in o.outputs))
 
 
 def token_usage(num_prompt: int, num_completion: int) -> Usage:
@@ -125,18 +198,6 @@ def token_usage(num_prompt: int, num_completion: int) -> Usage:
     )
 
 
-def stream_end(
-    request_id: str,
-    usage: Usage,
-    started: float,
-    finish_reasons: list,
-    usage_chunk: Callable[[Usage], str] | None,
-) -> list[str]:
-    """The last SSE events of a stream (the usage chunk when asked, then [DONE]); logs it."""
-    log_request(request_id, usage, started, finish_reasons)
-    return ([usage_chunk(usage)] if usage_chunk else []) + [SSE_DONE]
-
-
 def sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json(exclude_unset=False)}\n\n"
 
@@ -145,14 +206,7 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def sse_error(error: APIError) -> str:
-    body = {
-        "error": {
-            "message": error.message,
-            "type": "server_error",
-            "param": error.param,
-            "code": error.code,
-        }
-    }
+    body = error_body(error.status, error.message, error.param, error.code)
     return f"data: {json.dumps(body)}\n\n"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import uvicorn
@@ -17,8 +18,10 @@ logger = logging.getLogger("aerie.server")
 
 
 class GracefulServer(uvicorn.Server):
-    """On SIGTERM or SIGINT: refuse new requests (503), let those in flight finish for up to
-    `shutdown_timeout` seconds, then end the rest with finish_reason "abort"."""
+    """On SIGTERM or SIGINT: keep listening, but answer new requests and /health with 503
+    (shutting_down), so load balancers see the drain; let the requests in flight finish for up
+    to `shutdown_timeout` seconds, end the rest with finish_reason "abort", then shut uvicorn
+    down. A second signal skips the wait: uvicorn shuts down as usual (a third SIGINT forces)."""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout: float) -> None:
         super().__init__(config)
@@ -26,25 +29,30 @@ class GracefulServer(uvicorn.Server):
         self._draining = False
 
     def handle_exit(self, sig, frame) -> None:
-        if not self._draining:
-            self._draining = True
-            state = getattr(self.config.app.state, "aerie", None)  # type: ignore[union-attr]
-            if state is not None:
-                state.draining = True
-                timer = threading.Timer(self.shutdown_timeout, _abort_all, args=(state,))
-                timer.daemon = True
-                timer.start()
-            logger.info("shutting down: draining requests for up to %.0fs", self.shutdown_timeout)
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises captured signals after shutting down, which would end the process
-        # with the signal's status; a drained shutdown is a clean exit (status 0).
-        self._captured_signals.clear()
+        state = getattr(self.config.app.state, "aerie", None)  # type: ignore[union-attr]
+        if self._draining or state is None:
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after shutting down, which would end the
+            # process with the signal's status; a drained shutdown is a clean exit (status 0).
+            self._captured_signals.clear()
+            return
+        self._draining = True
+        state.draining = True
+        logger.info("shutting down: draining requests for up to %.0fs", self.shutdown_timeout)
+        threading.Thread(target=self._drain, args=(state,), name="aerie-drain", daemon=True).start()
+
+    def _drain(self, state) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        while _has_requests(state) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _has_requests(state):
+            logger.info("shutdown timeout reached: aborting the requests still running")
+            state.engine.abort_all()
+        self.should_exit = True  # uvicorn then waits for the responses to be sent
 
 
-def _abort_all(state) -> None:
-    if state.engine is not None:
-        logger.info("shutdown timeout reached: aborting the requests still running")
-        state.engine.abort_all()
+def _has_requests(state) -> bool:
+    return state.engine is not None and state.engine.has_unfinished_requests
 
 
 def default_served_name(model: str) -> str:

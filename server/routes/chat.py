@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
-from engine.async_llm import EngineStepError
-from engine.outputs import RequestOutput
 from server.auth import require_api_key
 from server.errors import APIError
 from server.generation import (
+    SSE_DONE,
+    EngineCall,
+    EngineStreamingResponse,
     collect,
-    log_request,
-    merged,
     sse,
     sse_error,
-    start_requests,
-    stream_end,
-    token_usage,
-    usage_of,
+    start_call,
 )
 from server.logprobs import chat_logprobs
 from server.prompts import chat_prompt_ids
@@ -54,15 +48,12 @@ async def create_chat_completion(
     prompt = chat_prompt_ids(tokenizer, body)
     state.check_queue(engine)
     request_id, model = random_id("chatcmpl"), state.settings.served_model_name
-    streams = start_requests(engine, request_id, [prompt], params)
+    call = start_call(engine, request_id, [prompt], params)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream_chunks(streams[0], request_id, model, tokenizer, params.n, include_usage)
-        return StreamingResponse(chunks, media_type="text/event-stream")
-    started = time.monotonic()
-    (final,) = await collect(streams, http_request)
-    usage = usage_of([final])
-    log_request(request_id, usage, started, [c.finish_reason for c in final.outputs])
+        chunks = _stream_chunks(call, model, tokenizer, params.n, include_usage)
+        return EngineStreamingResponse(chunks, call)
+    (final,) = await collect(call, http_request)
     choices = [
         ChatChoice(
             index=c.index,
@@ -73,7 +64,7 @@ async def create_chat_completion(
         for c in final.outputs
     ]
     return ChatCompletionResponse(
-        id=request_id, created=unix_time(), model=model, choices=choices, usage=usage
+        id=request_id, created=unix_time(), model=model, choices=choices, usage=call.usage
     )
 
 
@@ -87,33 +78,27 @@ def _reject_unsupported(body: ChatCompletionRequest) -> None:
 
 
 async def _stream_chunks(
-    deltas: AsyncIterator[RequestOutput],
-    request_id: str,
-    model: str,
-    tokenizer,
-    n: int,
-    include_usage: bool,
-) -> AsyncIterator[str]:
+    call: EngineCall, model: str, tokenizer, n: int, include_usage: bool
+) -> AsyncGenerator[str, None]:
     """SSE: the role delta first, then content deltas, a final chunk with finish_reason per
-    choice, the usage chunk when asked, then [DONE]."""
-    created, started = unix_time(), time.monotonic()
+    choice, the usage chunk when asked, then [DONE]. However it ends, even before the first
+    delta, the call is closed: what has not finished is aborted."""
+    created = unix_time()
 
     def chunk(choices, usage=None) -> str:
         return sse(
             ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=choices, usage=usage
+                id=call.request_id, created=created, model=model, choices=choices, usage=usage
             )
         )
 
-    for index in range(n):
-        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
-    num_prompt = num_completion = 0
-    finish_reasons: dict[int, str] = {}
     try:
-        async for _, delta in merged([deltas]):
-            num_prompt = len(delta.prompt_token_ids)
+        for index in range(n):
+            yield chunk(
+                [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))]
+            )
+        async for _, delta in call.deltas():
             for c in delta.outputs:
-                num_completion += len(c.token_ids)
                 if c.text or c.logprobs:
                     yield chunk(
                         [
@@ -125,7 +110,6 @@ async def _stream_chunks(
                         ]
                     )
                 if c.finish_reason is not None:
-                    finish_reasons[c.index] = c.finish_reason
                     yield chunk(
                         [
                             ChatChunkChoice(
@@ -133,10 +117,10 @@ async def _stream_chunks(
                             )
                         ]
                     )
-    except EngineStepError as exc:
-        yield sse_error(APIError(500, str(exc), code="internal_error"))
-        return
-    usage_chunk = (lambda usage: chunk([], usage=usage)) if include_usage else None
-    usage = token_usage(num_prompt, num_completion)
-    for event in stream_end(request_id, usage, started, list(finish_reasons.values()), usage_chunk):
-        yield event
+        if include_usage:
+            yield chunk([], usage=call.usage)
+        yield SSE_DONE
+    except APIError as exc:
+        yield sse_error(exc)
+    finally:
+        call.close()

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
-from engine.async_llm import EngineStepError
-from engine.outputs import RequestOutput
 from server.auth import require_api_key
 from server.errors import APIError
 from server.generation import (
+    SSE_DONE,
+    EngineCall,
+    EngineStreamingResponse,
     collect,
-    log_request,
-    merged,
     sse,
     sse_error,
-    start_requests,
-    stream_end,
-    token_usage,
-    usage_of,
+    start_call,
 )
 from server.logprobs import completion_logprobs
 from server.prompts import completion_prompts
@@ -51,17 +45,13 @@ async def create_completion(body: CompletionRequest, http_request: Request, stat
     prompts = completion_prompts(tokenizer, body)
     state.check_queue(engine)
     request_id, model = random_id("cmpl"), state.settings.served_model_name
-    streams = start_requests(engine, request_id, prompts, params)
     echoes = [tokenizer.decode(p) if body.echo else "" for p in prompts]
+    call = start_call(engine, request_id, prompts, params)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream_chunks(
-            streams, request_id, model, tokenizer, params.n, echoes, include_usage
-        )
-        return StreamingResponse(chunks, media_type="text/event-stream")
-    started = time.monotonic()
-    finals = await collect(streams, http_request)
-    usage = usage_of(finals)
+        chunks = _stream_chunks(call, model, tokenizer, params.n, echoes, include_usage)
+        return EngineStreamingResponse(chunks, call)
+    finals = await collect(call, http_request)
     choices = []
     for i, final in enumerate(finals):
         for c in final.outputs:
@@ -73,47 +63,38 @@ async def create_completion(body: CompletionRequest, http_request: Request, stat
                     finish_reason=c.finish_reason,
                 )
             )
-    log_request(request_id, usage, started, [c.finish_reason for c in choices])
     return CompletionResponse(
-        id=request_id, created=unix_time(), model=model, choices=choices, usage=usage
+        id=request_id, created=unix_time(), model=model, choices=choices, usage=call.usage
     )
 
 
 async def _stream_chunks(
-    streams: list[AsyncIterator[RequestOutput]],
-    request_id: str,
+    call: EngineCall,
     model: str,
     tokenizer,
     n: int,
     echoes: list[str],
     include_usage: bool,
-) -> AsyncIterator[str]:
-    created, started = unix_time(), time.monotonic()
-    echoed: set[int] = set()
-    offsets: dict[int, int] = {}
-    num_prompt: dict[int, int] = {}
-    num_completion = 0
-    finish_reasons = []
+) -> AsyncGenerator[str, None]:
+    """SSE: one chunk per delta (a choice's first carries its echo), the usage chunk when
+    asked, then [DONE]. However it ends, the call is closed: what has not finished is aborted."""
+    created = unix_time()
+    offsets: dict[int, int] = {}  # choice -> characters of text (echo included) sent so far
 
     def chunk(choices, usage=None) -> str:
         return sse(
             CompletionResponse(
-                id=request_id, created=created, model=model, choices=choices, usage=usage
+                id=call.request_id, created=created, model=model, choices=choices, usage=usage
             )
         )
 
     try:
-        async for prompt_index, delta in merged(streams):
-            num_prompt[prompt_index] = len(delta.prompt_token_ids)
+        async for prompt_index, delta in call.deltas():
             for c in delta.outputs:
                 index = prompt_index * n + c.index
-                prefix = "" if index in echoed else echoes[prompt_index]
-                echoed.add(index)
+                prefix = "" if index in offsets else echoes[prompt_index]
                 offset = offsets.get(index, len(prefix))
                 offsets[index] = offset + len(c.text)
-                num_completion += len(c.token_ids)
-                if c.finish_reason is not None:
-                    finish_reasons.append(c.finish_reason)
                 yield chunk(
                     [
                         CompletionChoice(
@@ -124,10 +105,10 @@ async def _stream_chunks(
                         )
                     ]
                 )
-    except EngineStepError as exc:
-        yield sse_error(APIError(500, str(exc), code="internal_error"))
-        return
-    usage_chunk = (lambda usage: chunk([], usage=usage)) if include_usage else None
-    usage = token_usage(sum(num_prompt.values()), num_completion)
-    for event in stream_end(request_id, usage, started, finish_reasons, usage_chunk):
-        yield event
+        if include_usage:
+            yield chunk([], usage=call.usage)
+        yield SSE_DONE
+    except APIError as exc:
+        yield sse_error(exc)
+    finally:
+        call.close()

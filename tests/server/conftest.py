@@ -148,8 +148,10 @@ def start_server(
     *args: str,
     api_key: str | None = API_KEY,
     served_name: str | None = TINY_NAME,
+    wait: bool = True,
 ) -> LiveServer:
-    """Start `aerie serve` on a free loopback port; wait until /health says 200."""
+    """Start `aerie serve` on a free loopback port; wait until /health says 200 (unless not
+    `wait`: then the caller polls, e.g. for a server whose engine cannot load)."""
     port = free_port()
     command = [
         sys.executable,
@@ -181,7 +183,8 @@ def start_server(
     server = LiveServer(
         process, port, log_path, served_name or str(model), api_key, _log_file=log_file
     )
-    server.wait_ready()
+    if wait:
+        server.wait_ready()
     return server
 
 
@@ -337,6 +340,22 @@ def spawn(tiny_model, server_logs) -> Iterator:
 
     yield _spawn
     for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def in_process_server(tiny_model) -> Iterator:
+    """The tiny model served in this process (no API key), one running sequence at a time, so a
+    second request waits while the first runs; tests may patch one method of its engine."""
+    from engine.async_llm import AsyncLLM
+    from tests.server.in_process import serve_in_process, tiny_engine_config
+
+    config = tiny_engine_config(tiny_model, max_num_seqs=1)
+    server = serve_in_process(lambda: AsyncLLM.from_config(config))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
         server.stop()
 
 

@@ -337,6 +337,23 @@ def test_sampling_extras_are_accepted_and_honoured(client) -> None:
     assert len(sampled(repetition_penalty=1.3)) == 12
 
 
+def test_user_as_a_string_is_accepted(client) -> None:
+    with_user = greedy(client, max_tokens=8, user="user-1234")
+    assert with_user.choices[0].finish_reason == "length"
+    assert only_text(with_user) == only_text(greedy(client, max_tokens=8))
+
+
+@pytest.mark.parametrize("penalty", ["frequency_penalty", "presence_penalty"])
+def test_penalties_change_greedy_output(client, penalty) -> None:
+    """Greedy text repeats itself on the tiny model; a strong penalty on tokens already
+    generated makes it pick others, so the text differs and uses more distinct characters."""
+    plain = only_text(greedy(client, max_tokens=32))
+    penalized = only_text(greedy(client, max_tokens=32, **{penalty: 2.0}))
+    assert len(penalized) == 32
+    assert penalized != plain
+    assert len(set(penalized)) > len(set(plain)), (plain, penalized)
+
+
 def test_stop_token_ids_and_min_tokens(client) -> None:
     text = only_text(greedy(client, max_tokens=24))
     char = text[5]

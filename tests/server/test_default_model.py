@@ -38,6 +38,28 @@ def test_capital_of_france(default_server) -> None:
     assert served == [DEFAULT_MODEL]
 
 
+def test_the_server_drafts_with_the_shipped_head(default_server) -> None:
+    """The default flags load the shipped head (and the adaptive budget), and it drafts:
+    /metrics counts drafts and draft tokens of this very request."""
+    before = default_server.metrics()
+    with default_server.client() as client:
+        client.chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": "Count from one to ten."}],
+            temperature=0,
+            max_tokens=32,
+        )
+    after = default_server.metrics()
+    assert "aerie_spec_decode_num_draft_tokens_total" in after, (
+        "no speculation metrics: the server runs without a draft head"
+    )
+    for counter in (
+        "aerie_spec_decode_num_drafts_total",
+        "aerie_spec_decode_num_draft_tokens_total",
+    ):
+        assert after[counter] > before.get(counter, 0.0), (counter, after[counter])
+
+
 def test_the_shipped_head_speculates_losslessly() -> None:
     """`LLM()` loads the head shipped for the default model; with whole trees verified every
     step, greedy decoding gives plain decoding's tokens and gets drafts accepted."""

@@ -7,20 +7,26 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import threading
 import time
 
 import httpx
 import openai
 import pytest
 
+from engine.async_llm import AsyncLLM
 from tests.server.conftest import (
     BAN_SPECIALS,
     MAX_REQUEST_BYTES,
     TINY_CONTEXT,
     TINY_NAME,
+    LiveServer,
     assert_openai_error,
     sse_events,
+    start_server,
+    tiny_server_args,
 )
+from tests.server.in_process import serve_in_process, tiny_engine_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -162,13 +168,60 @@ def test_v1_requires_the_api_key(tiny_server, method, path, body, authorization)
     assert_openai_error(response, 401, type_="invalid_request_error", code="invalid_api_key")
 
 
-def test_health_is_503_while_the_model_loads(tiny_server) -> None:
-    """Whatever /health answered before the engine was ready was a 503 saying so."""
-    for status, headers, text in tiny_server.startup_answers:
-        assert status == 503, text
-        error = json.loads(text)["error"]
-        assert error["code"] == "loading" and error["type"] == "service_unavailable_error"
-        assert headers.get("retry-after") == "5"
+def test_health_and_requests_are_503_while_the_model_loads(tiny_model) -> None:
+    """uvicorn serves while the engine loads in its own thread: /health and requests answer 503
+    `loading` (with Retry-After) until the load ends, then 200. The load waits on a gate, so
+    the loading state is seen for certain, however fast the model loads."""
+    gate = threading.Event()
+
+    def load_when_let() -> AsyncLLM:
+        gate.wait(60)
+        return AsyncLLM.from_config(tiny_engine_config(tiny_model))
+
+    server = serve_in_process(load_when_let)
+    try:
+        for response in (server.health(), server.post(CHAT, chat_body(), timeout=10)):
+            assert_openai_error(
+                response, 503, type_="service_unavailable_error", param=None, code="loading"
+            )
+            assert response.headers.get("retry-after") == "5"
+        gate.set()
+        server.wait_ready()
+        assert server.post(CHAT, chat_body(), timeout=30).status_code == 200
+    finally:
+        gate.set()
+        server.stop()
+
+
+def test_health_and_requests_are_503_after_the_engine_failed_to_load(server_logs) -> None:
+    """A model that cannot load: the server stays up and says why, with 503 `engine_failed`."""
+    server = start_server("/nonexistent/path", server_logs, *tiny_server_args(), wait=False)
+    try:
+        health = wait_for_health(server, lambda r: "engine_failed" in r.text)
+        error = assert_openai_error(
+            health, 503, type_="service_unavailable_error", code="engine_failed"
+        )
+        assert "/nonexistent/path" in error["message"]
+        chat = server.post(CHAT, chat_body(), timeout=10)
+        assert_openai_error(chat, 503, type_="service_unavailable_error", code="engine_failed")
+        assert server.process.poll() is None
+    finally:
+        server.stop()
+
+
+def wait_for_health(server: LiveServer, done, timeout: float = 60.0) -> httpx.Response:
+    """Poll /health until `done(response)`; connection refused until uvicorn listens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert server.process.poll() is None, f"aerie serve exited:\n{server.log_tail()}"
+        assert time.monotonic() < deadline, f"/health never satisfied:\n{server.log_tail()}"
+        try:
+            response = httpx.get(f"{server.base_url}/health", timeout=5)
+        except httpx.TransportError:
+            response = None
+        if response is not None and done(response):
+            return response
+        time.sleep(0.1)
 
 
 def test_health_and_metrics_need_no_key(tiny_server) -> None:
@@ -363,6 +416,6 @@ def test_out_of_range_seed_is_400_and_the_engine_survives(spawn) -> None:
     assert not problems, (
         "out-of-range seeds are not rejected (engine/llm_engine.py _generator: "
         "torch manual_seed(seed + index) raises 'Overflow when unpacking long long'; with n > 1 "
-        "it raises inside step() and again in AsyncLLM._fail_all, which kills the engine "
-        "thread):\n" + "\n".join(problems)
+        "it raises inside step(), which fails the request with a 500 instead of a 400):\n"
+        + "\n".join(problems)
     )

@@ -1,6 +1,6 @@
-"""SIGTERM: new requests are refused (503, or connection refused once the listener is closed),
-requests in flight finish (or end with finish_reason "abort" once they outlive
---shutdown-timeout), and the process exits with status 0."""
+"""SIGTERM: while requests in flight finish (or end with finish_reason "abort" once they outlive
+--shutdown-timeout) the server keeps listening but answers /health and new requests with 503
+`shutting_down`; then it closes (connection refused) and exits with status 0."""
 
 from __future__ import annotations
 
@@ -36,11 +36,27 @@ def body(max_tokens: int, stream: bool) -> dict:
     }
 
 
+def wait_for_draining_health(server: LiveServer, timeout: float = 10.0) -> None:
+    """Right after SIGTERM /health may still say 200 (the signal not yet handled); then it must
+    say 503 shutting_down, from a server still listening, for as long as it drains."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            response = httpx.get(f"{server.base_url}/health", timeout=10)
+        except httpx.TransportError as exc:
+            pytest.fail(f"/health unreachable while requests drain ({exc!r}): 503 expected")
+        if response.status_code != 200:
+            break
+        assert time.monotonic() < deadline, "/health still 200 long after SIGTERM"
+        time.sleep(0.02)
+    assert_openai_error(response, 503, type_="service_unavailable_error", code="shutting_down")
+
+
 def probe_new_requests(server: LiveServer, attempts: int = 10) -> list[str]:
-    """Send new requests right after SIGTERM: each must get 503 (code shutting_down) until the
-    listener closes, then connection refused. A connection that races the listener's close is
-    dropped unanswered (disconnected or reset), which a client sees as refused too: the request
-    never reached the engine. Returns what each attempt got."""
+    """Send new requests after SIGTERM: each must get 503 (code shutting_down) while the server
+    drains, then connection refused once it closes its listener. A connection that races the
+    listener's close is dropped unanswered (disconnected or reset), which a client sees as
+    refused too: the request never reached the engine. Returns what each attempt got."""
     outcomes = []
     for _ in range(attempts):
         try:
@@ -93,10 +109,12 @@ def test_sigterm_lets_in_flight_requests_finish(spawn) -> None:
         events = sse_events(response)
         first_text, _, _ = read_stream(_take(events, 3))  # role delta + two content deltas
         server.signal(signal.SIGTERM)
+        wait_for_draining_health(server)
         outcomes = probe_new_requests(server)
         rest, finish, done = read_stream(events)
 
-    assert outcomes and set(outcomes) <= {"503", "refused"}, outcomes
+    # the stream may end, and the listener close, before all ten probes
+    assert outcomes[0] == "503" and set(outcomes) <= {"503", "refused"}, outcomes
     assert finish == "length", f"the in-flight request ended with {finish!r}"
     assert done
     assert len(first_text + rest) == max_tokens
@@ -124,12 +142,13 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(spawn) -> None:
         time.sleep(0.3)  # let the non-streaming request reach the engine
         server.signal(signal.SIGTERM)
         signalled = time.monotonic()
+        wait_for_draining_health(server)
         outcomes = probe_new_requests(server)
         text, finish, done = read_stream(events)
         ended = time.monotonic() - signalled
         plain_result = plain.result(timeout=30)
 
-    assert set(outcomes) <= {"503", "refused"}, outcomes
+    assert outcomes[0] == "503" and set(outcomes) <= {"503", "refused"}, outcomes
     assert finish == "abort", f"the streamed request ended with {finish!r}"
     assert done
     assert 1.5 < ended < 15, f"the stream ended {ended:.1f}s after SIGTERM (timeout 2 s)"
