@@ -38,6 +38,11 @@ class DraftTree:
             kids.sort(key=lambda n: -self.values[n])
         return result
 
+    def positions(self, start: int) -> list[int]:
+        """[1 + N] position ids of the nodes, the root at `start`: a node sits one past its
+        parent, so each root-to-leaf path reads as consecutive tokens."""
+        return [start + depth for depth in self.depths]
+
     def ancestor_mask(self) -> torch.Tensor:
         """[1 + N, 1 + N] bool: node i may attend to node j (j is i or one of its ancestors)."""
         mask = torch.eye(self.num_nodes, dtype=torch.bool)

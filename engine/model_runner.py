@@ -245,7 +245,7 @@ def _inputs(item: ScheduledSequence, tree: DraftTree | None):
         end = start + item.num_new_tokens
         ids = seq.token_ids[start:end]
         return ids, list(range(start, end)), SequenceAttention(seq.block_table, start, len(ids))
-    positions = [start + depth for depth in tree.depths]  # the root sits at `start`
+    positions = tree.positions(start)
     attention = SequenceAttention(
         seq.block_table, start, tree.num_nodes, tree_mask=tree.ancestor_mask(), positions=positions
     )

@@ -102,6 +102,31 @@ def test_ancestor_masks_and_children():
     assert tree.children() == [[1, 2], [3, 4], [], [5], [], []]  # best value first
 
 
+def root_path(tree: DraftTree, node: int) -> list[int]:
+    """The nodes from the root down to `node`, by following parents."""
+    path = [node]
+    while tree.parents[path[-1]] != -1:
+        path.append(tree.parents[path[-1]])
+    return path[::-1]
+
+
+def test_masks_positions_and_paths_of_reranked_trees():
+    """Each node attends to exactly its root-to-node path, and sits at the prefix length plus its
+    depth, so every path is verified as a run of consecutive positions."""
+    for seed in range(20):
+        (tree,) = rerank(grow(seed, top_k=3, depth=4), roots=[7], num_keep=[10])
+        mask, positions = tree.ancestor_mask(), tree.positions(start=40)
+        leaves = [n for n, kids in enumerate(tree.children()) if not kids]
+        assert leaves and tree.tokens[0] == 7
+        for node in range(tree.num_nodes):
+            path = root_path(tree, node)
+            assert path[0] == 0 and tree.depths[node] == len(path) - 1
+            assert torch.nonzero(mask[node]).flatten().tolist() == path  # parents come first
+            assert [positions[n] for n in path] == list(range(40, 40 + len(path)))
+        # the leaves' paths cover the tree
+        assert {n for leaf in leaves for n in root_path(tree, leaf)} == set(range(tree.num_nodes))
+
+
 def test_batched_rerank_matches_one_at_a_time():
     batch = Candidates.first_layer(torch.log_softmax(torch.randn(3, 12), -1), 3)
     for _ in range(2):
