@@ -19,8 +19,9 @@ whether the step drafts at all. What it goes by, first to last:
 - a probe: after `probe_interval` plain steps it drafts anyway, so the estimates follow the traffic;
 - the realized rates (engine/realized_rates.py): per batch-size bucket, the tokens per sequence
   per second that recent drafting steps and recent plain steps have actually delivered, whole
-  steps both; once both kinds have been seen a few times, the faster kind is chosen (a bucket
-  that drafts takes a plain step every 32 drafting decisions to keep its comparison fresh);
+  steps both; once 16 drafting and 4 plain steps have been seen and their rates stand two
+  standard errors apart, the faster kind is chosen (a bucket that drafts takes a plain step
+  every 32 drafting decisions to keep its comparison fresh);
 - until then, the cost model's prediction of both rates for the step's batch, from the recent
   value curve (the mean calibrated value of each sequence's m-th best node, averaged over recent
   steps) and the drafting cost fitted against the number of sequences. That cost is measured on

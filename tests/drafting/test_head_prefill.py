@@ -37,13 +37,14 @@ def drafted_trees(target, head, prompts, **options) -> dict[tuple[int, int], Dra
 @pytest.mark.parametrize("chunk", [3, 8, 17])
 def test_chunked_prefill_drafts_what_a_whole_prefill_does(bigram_target, trained_head, chunk):
     prompts = [p + p for p in mixed_prompts(4, seed=21) if len(p) > 10]  # cut several times
+    assert len(prompts) == 3
     whole = drafted_trees(bigram_target, trained_head, prompts)
     chunked = drafted_trees(
         bigram_target, trained_head, prompts, max_num_batched_tokens=chunk, max_num_seqs=1
     )
     common = set(whole) & set(chunked)
     # a prompt whose last chunk is one token drafts with it, from its last prompt token
-    assert {seq for seq, _ in common} == {seq for seq, _ in whole} and len(prompts) == 3
+    assert {seq for seq, _ in common} == {seq for seq, _ in whole}
     for key in common:  # a small token budget caps a tree's size, so one may hold fewer nodes
         small, large = sorted([node_values(whole[key]), node_values(chunked[key])], key=len)
         assert len(small) > 1 and set(small) <= set(large)

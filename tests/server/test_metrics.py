@@ -324,16 +324,7 @@ def test_the_gauges_move_under_load_and_settle_after_it(spawn) -> None:
     before = server.metrics()
 
     def long_request(index: int) -> dict:
-        body = {
-            "model": TINY_NAME,
-            "prompt": f"load {index}: ",
-            "max_tokens": LOAD_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        response = server.post("/v1/completions", body)
-        assert response.status_code == 200, response.text
-        return response.json()
+        return complete(server, f"load {index}: ", LOAD_TOKENS, model=TINY_NAME)
 
     scrapes = []
     with ThreadPoolExecutor(NUM_LOAD_REQUESTS) as pool:
