@@ -411,4 +411,6 @@ def _draft_lm_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None) -> nn.M
         return lm_head
     rows = nn.Linear(lm_head.in_features, len(draft_vocab), bias=False, device="meta")
     rows.weight = nn.Parameter(lm_head.weight.detach()[draft_vocab], requires_grad=False)
-    return OneDnnLinear(rows) if can_use_onednn(rows.weight) else rows
+    if not can_use_onednn(rows.weight):
+        return rows
+    return OneDnnLinear(rows, getattr(lm_head, "blas_max_rows", 0))  # the kernels the target's use

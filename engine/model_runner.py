@@ -21,6 +21,7 @@ from engine.layers.flash_attention import (
 from engine.layers.onednn_linear import use_onednn_linears
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
+from engine.linear_kernels import choose_blas_rows
 from engine.models.decoder import DecoderModel
 from engine.models.spec import ModelSpec
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -89,11 +90,13 @@ class ModelRunner:
         # flash-attn's varlen kernel when the flash backend serves this model, else None
         self.flash_kernel = load_flash_kernel() if backend == "flash" else None
         self.forward = self.model  # [T] ids, [T] positions, K/V, metadata -> [T, hidden]
+        self.blas_max_rows = 0  # passes of at most this many rows skip oneDNN (linear_kernels)
         if config.enable_torch_compile:  # inductor freezes the weights into its graphs
             self.forward = compile_model(self.model)
             warm_up(self)
         else:
             use_onednn_linears(self.model)
+            self.blas_max_rows = choose_blas_rows(self)
 
     def _num_kv_blocks(self, layers: list[LayerShape]) -> int:
         if self.config.num_kv_blocks is not None:

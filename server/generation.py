@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -181,6 +181,7 @@ async def collect(call: EngineCall, http_request: Request) -> list[RequestOutput
         watcher.cancel()
         work.cancel()
         call.close()
+        await asyncio.wait({work, watcher})  # let both see their cancellation through
 
 
 async def _wait_for_disconnect(http_request: Request) -> None:
@@ -203,6 +204,25 @@ def sse(payload: BaseModel) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_stream(
+    call: EngineCall, chunks: AsyncIterator[str], usage_chunk: Callable[[], str] | None
+) -> AsyncGenerator[str, None]:
+    """A call's server-sent events: its `chunks`, the usage chunk (made at the end) when one is
+    asked for, then [DONE]. An engine fault ends the chunks with an error event, which [DONE]
+    still follows, as in vLLM's server. However it ends, even before the first chunk, the call
+    is closed: what has not finished is aborted."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+        if usage_chunk is not None:
+            yield usage_chunk()
+    except APIError as exc:
+        yield sse_error(exc)
+    finally:
+        call.close()
+    yield SSE_DONE  # not reached when the stream was closed (the client left)
 
 
 def sse_error(error: APIError) -> str:

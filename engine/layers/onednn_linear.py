@@ -18,11 +18,17 @@ The oneDNN tensor is a second copy of the weight, beside the nn.Linear's own (wh
 such as the lm_head's with the embedding, and for anything that reads `.weight`). Results agree
 with `F.linear` to float rounding (the kernels sum in another order), as results of different BLAS
 kernels do. Inference only: the op has no gradient.
+
+On some CPUs BLAS's GEMV on the plain weight beats oneDNN for a pass of one to a few rows (an Intel
+Xeon with AVX-512: 32.5 against 39.5 ms for a one-token pass of the default model): passes of at
+most `blas_max_rows` rows run `F.linear` instead, a number the engine measures at start-up
+(engine/linear_kernels.py).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _LAYOUT_HINT_ROWS = 16  # oneDNN lays the weight out for this many rows; it computes any number
@@ -40,10 +46,11 @@ def can_use_onednn(weight: torch.Tensor) -> bool:
 class OneDnnLinear(nn.Module):
     """An inference-only nn.Linear whose matmul runs on a oneDNN copy of its weight."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, blas_max_rows: int = 0) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # shared, not copied
+        self.blas_max_rows = blas_max_rows  # passes of at most this many rows run F.linear
         # [out, in] in the blocked layout oneDNN's kernel for about this many rows reads
         onednn_weight = torch.ops.mkldnn._reorder_linear_weight(
             linear.weight.detach().contiguous(), _LAYOUT_HINT_ROWS
@@ -52,6 +59,8 @@ class OneDnnLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        if rows.shape[0] <= self.blas_max_rows:
+            return F.linear(x, self.weight, self.bias)
         out = torch.ops.mkldnn._linear_pointwise(
             rows, self.onednn_weight, self.bias, "none", [], ""
         )  # [M, out]
@@ -64,3 +73,13 @@ def use_onednn_linears(module: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and can_use_onednn(child.weight):
                 setattr(parent, name, OneDnnLinear(child))
+
+
+def onednn_linears(module: nn.Module) -> list[OneDnnLinear]:
+    return [layer for layer in module.modules() if isinstance(layer, OneDnnLinear)]
+
+
+def use_blas_up_to(module: nn.Module, max_rows: int) -> None:
+    """Let BLAS serve the passes of at most `max_rows` rows in every OneDnnLinear of `module`."""
+    for layer in onednn_linears(module):
+        layer.blas_max_rows = max_rows

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from fastapi import APIRouter, Request
 
 from server.auth import require_api_key
 from server.errors import APIError
 from server.generation import (
-    SSE_DONE,
     EngineCall,
     EngineStreamingResponse,
     collect,
     sse,
-    sse_error,
+    sse_stream,
     start_call,
 )
 from server.logprobs import chat_logprobs
@@ -50,9 +49,11 @@ async def create_chat_completion(
     request_id, model = random_id("chatcmpl"), state.settings.served_model_name
     call = start_call(engine, request_id, [prompt], params)
     if body.stream:
+        chunk = _chunk_writer(request_id, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream_chunks(call, model, tokenizer, params.n, include_usage)
-        return EngineStreamingResponse(chunks, call)
+        usage_chunk = (lambda: chunk([], usage=call.usage)) if include_usage else None
+        events = sse_stream(call, _choice_chunks(call, chunk, tokenizer, params.n), usage_chunk)
+        return EngineStreamingResponse(events, call)
     (final,) = await collect(call, http_request)
     choices = [
         ChatChoice(
@@ -77,50 +78,44 @@ def _reject_unsupported(body: ChatCompletionRequest) -> None:
         )
 
 
-async def _stream_chunks(
-    call: EngineCall, model: str, tokenizer, n: int, include_usage: bool
-) -> AsyncGenerator[str, None]:
-    """SSE: the role delta first, then content deltas, a final chunk with finish_reason per
-    choice, the usage chunk when asked, then [DONE]. However it ends, even before the first
-    delta, the call is closed: what has not finished is aborted."""
+def _chunk_writer(request_id: str, model: str) -> Callable[..., str]:
+    """The SSE event of one chunk of this completion: its choices (and usage, on the last)."""
     created = unix_time()
 
-    def chunk(choices, usage=None) -> str:
+    def chunk(choices: list[ChatChunkChoice], usage=None) -> str:
         return sse(
             ChatCompletionChunk(
-                id=call.request_id, created=created, model=model, choices=choices, usage=usage
+                id=request_id, created=created, model=model, choices=choices, usage=usage
             )
         )
 
-    try:
-        for index in range(n):
-            yield chunk(
-                [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))]
-            )
-        async for _, delta in call.deltas():
-            for c in delta.outputs:
-                if c.text or c.logprobs:
-                    yield chunk(
-                        [
-                            ChatChunkChoice(
-                                index=c.index,
-                                delta=ChatDelta(content=c.text),
-                                logprobs=chat_logprobs(tokenizer, c.logprobs),
-                            )
-                        ]
-                    )
-                if c.finish_reason is not None:
-                    yield chunk(
-                        [
-                            ChatChunkChoice(
-                                index=c.index, delta=ChatDelta(), finish_reason=c.finish_reason
-                            )
-                        ]
-                    )
-        if include_usage:
-            yield chunk([], usage=call.usage)
-        yield SSE_DONE
-    except APIError as exc:
-        yield sse_error(exc)
-    finally:
-        call.close()
+    return chunk
+
+
+async def _choice_chunks(
+    call: EngineCall, chunk: Callable[..., str], tokenizer, n: int
+) -> AsyncGenerator[str, None]:
+    """The role delta of each choice first, then content deltas, and a final chunk with
+    finish_reason per choice."""
+    for index in range(n):
+        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    async for _, delta in call.deltas():
+        for c in delta.outputs:
+            if c.text or c.logprobs:
+                yield chunk(
+                    [
+                        ChatChunkChoice(
+                            index=c.index,
+                            delta=ChatDelta(content=c.text),
+                            logprobs=chat_logprobs(tokenizer, c.logprobs),
+                        )
+                    ]
+                )
+            if c.finish_reason is not None:
+                yield chunk(
+                    [
+                        ChatChunkChoice(
+                            index=c.index, delta=ChatDelta(), finish_reason=c.finish_reason
+                        )
+                    ]
+                )

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from fastapi import APIRouter, Request
 
 from server.auth import require_api_key
 from server.errors import APIError
 from server.generation import (
-    SSE_DONE,
     EngineCall,
     EngineStreamingResponse,
     collect,
     sse,
-    sse_error,
+    sse_stream,
     start_call,
 )
 from server.logprobs import completion_logprobs
@@ -48,9 +47,11 @@ async def create_completion(body: CompletionRequest, http_request: Request, stat
     echoes = [tokenizer.decode(p) if body.echo else "" for p in prompts]
     call = start_call(engine, request_id, prompts, params)
     if body.stream:
+        chunk = _chunk_writer(request_id, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream_chunks(call, model, tokenizer, params.n, echoes, include_usage)
-        return EngineStreamingResponse(chunks, call)
+        usage_chunk = (lambda: chunk([], usage=call.usage)) if include_usage else None
+        chunks = _choice_chunks(call, chunk, tokenizer, params.n, echoes)
+        return EngineStreamingResponse(sse_stream(call, chunks, usage_chunk), call)
     finals = await collect(call, http_request)
     choices = []
     for i, final in enumerate(finals):
@@ -68,47 +69,38 @@ async def create_completion(body: CompletionRequest, http_request: Request, stat
     )
 
 
-async def _stream_chunks(
-    call: EngineCall,
-    model: str,
-    tokenizer,
-    n: int,
-    echoes: list[str],
-    include_usage: bool,
-) -> AsyncGenerator[str, None]:
-    """SSE: one chunk per delta (a choice's first carries its echo), the usage chunk when
-    asked, then [DONE]. However it ends, the call is closed: what has not finished is aborted."""
+def _chunk_writer(request_id: str, model: str) -> Callable[..., str]:
+    """The SSE event of one chunk of this completion: its choices (and usage, on the last)."""
     created = unix_time()
-    offsets: dict[int, int] = {}  # choice -> characters of text (echo included) sent so far
 
-    def chunk(choices, usage=None) -> str:
+    def chunk(choices: list[CompletionChoice], usage=None) -> str:
         return sse(
             CompletionResponse(
-                id=call.request_id, created=created, model=model, choices=choices, usage=usage
+                id=request_id, created=created, model=model, choices=choices, usage=usage
             )
         )
 
-    try:
-        async for prompt_index, delta in call.deltas():
-            for c in delta.outputs:
-                index = prompt_index * n + c.index
-                prefix = "" if index in offsets else echoes[prompt_index]
-                offset = offsets.get(index, len(prefix))
-                offsets[index] = offset + len(c.text)
-                yield chunk(
-                    [
-                        CompletionChoice(
-                            index=index,
-                            text=prefix + c.text,
-                            logprobs=completion_logprobs(tokenizer, c.logprobs, offset),
-                            finish_reason=c.finish_reason,
-                        )
-                    ]
-                )
-        if include_usage:
-            yield chunk([], usage=call.usage)
-        yield SSE_DONE
-    except APIError as exc:
-        yield sse_error(exc)
-    finally:
-        call.close()
+    return chunk
+
+
+async def _choice_chunks(
+    call: EngineCall, chunk: Callable[..., str], tokenizer, n: int, echoes: list[str]
+) -> AsyncGenerator[str, None]:
+    """One chunk per delta; a choice's first carries its prompt's echo."""
+    offsets: dict[int, int] = {}  # choice -> characters of text (echo included) sent so far
+    async for prompt_index, delta in call.deltas():
+        for c in delta.outputs:
+            index = prompt_index * n + c.index
+            prefix = "" if index in offsets else echoes[prompt_index]
+            offset = offsets.get(index, len(prefix))
+            offsets[index] = offset + len(c.text)
+            yield chunk(
+                [
+                    CompletionChoice(
+                        index=index,
+                        text=prefix + c.text,
+                        logprobs=completion_logprobs(tokenizer, c.logprobs, offset),
+                        finish_reason=c.finish_reason,
+                    )
+                ]
+            )

@@ -46,3 +46,16 @@ def test_the_eager_cpu_engine_runs_its_linears_through_onednn_and_keeps_its_ties
     assert sum(isinstance(m, OneDnnLinear) for m in model.modules()) == 4 * len(model.layers) + 1
     if model.spec.tie_word_embeddings:
         assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_passes_of_few_rows_run_blas_and_larger_ones_onednn():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160)
+    onednn_only, mixed = OneDnnLinear(linear), OneDnnLinear(linear, blas_max_rows=3)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 9):
+            x = torch.randn(rows, 96)
+            expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+            if rows > 3:
+                expected = onednn_only(x)
+            assert torch.equal(mixed(x), expected), f"{rows} rows ran the other kernel"

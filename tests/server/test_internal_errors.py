@@ -137,8 +137,8 @@ def test_a_fault_in_a_step_ends_its_stream_with_an_error_event(
         rest = list(events)
         bystander_response = bystander.result(60)
 
-    assert rest and "[DONE]" not in rest, rest[-3:]
-    error = json.loads(rest[-1])["error"]
+    assert rest[-1:] == ["[DONE]"] and rest.count("[DONE]") == 1, rest[-3:]
+    error = json.loads(rest[-2])["error"]  # the last event before [DONE], as in vLLM
     assert error["type"] == "server_error" and error["code"] == "internal_error", error
     assert "injected fault in a step" in error["message"]
     assert bystander_response.status_code == 200, bystander_response.text
@@ -180,6 +180,7 @@ def test_a_fault_while_adding_a_stream_sends_an_error_event(in_process_server, m
         assert stream.status_code == 200
         payloads = list(sse_events(stream))
     assert json.loads(payloads[0])["choices"][0]["delta"]["role"] == "assistant"
-    error = json.loads(payloads[-1])["error"]
+    assert payloads[-1] == "[DONE]", payloads[-2:]
+    error = json.loads(payloads[-2])["error"]
     assert error["type"] == "server_error" and error["code"] == "internal_error", error
     assert_engine_healthy_and_empty(server)
