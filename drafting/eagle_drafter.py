@@ -325,18 +325,24 @@ def _walk_trees(
     computed = dict(verified.tree_logits)  # hidden row -> [vocab] raw target logits
     while active:
         processed = _penalised(active, logits)
-        params = [walk.params for walk in active]
-        greedy = all(p.greedy for p in params)
-        probs = None if greedy else target_probabilities(processed, params)  # [A, vocab]
         argmax = processed.argmax(dim=-1).tolist()
+        probs = _sampling_probabilities(active, processed)
         active = [
-            walk
-            for i, walk in enumerate(active)
-            if walk.step(logits[i], argmax[i], None if probs is None else probs[i])
+            walk for i, walk in enumerate(active) if walk.step(logits[i], argmax[i], probs.get(i))
         ]
         if active:
             logits = _node_logits(active, verified, computed)
     return [walk.result() for walk in walks]
+
+
+def _sampling_probabilities(walks: list[_Walk], processed: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The target's distribution [vocab] at the node of each walk that samples, by its index;
+    greedy walks need only the argmax. processed: [A, vocab] logits with penalties applied."""
+    sampling = [i for i, walk in enumerate(walks) if not walk.params.greedy]
+    if not sampling:
+        return {}
+    probs = target_probabilities(processed[sampling], [walks[i].params for i in sampling])
+    return dict(zip(sampling, probs))  # each [vocab]
 
 
 def _node_logits(
