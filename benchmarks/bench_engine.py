@@ -13,6 +13,8 @@ What it measures, in one run on the default model (smollm2-135m-instruct, fp32):
 * batch N (``--batch``, default 16): Aerie's aggregate output tokens/s with the first N prompts
   submitted in one ``generate`` call, and its ratio to Aerie's batch-1 tokens/s; the engines
   take turns for ``--batch-rounds`` rounds (default 3), and the figures sum the rounds.
+* with ``--torch-compile``, a compiled column: Aerie AR with ``enable_torch_compile=True`` (its
+  start-up compiles for minutes first), beside the others in the same loops.
 * with ``--draft HEAD`` (default: the head shipped for the model, if any), a speculative column:
   Aerie with that EAGLE head runs beside AR in the same interleaved loop and batch runs, reporting
   tokens/s, the mean acceptance length (tokens emitted per target pass, bonus included) and the
@@ -95,6 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="EAGLE head for the speculative column ('auto': the shipped head; "
         "'none': no speculative column)",
+    )
+    parser.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="also run Aerie AR with enable_torch_compile=True (minutes of start-up)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="device for both (cpu, cuda, cuda:N)")
@@ -262,8 +269,10 @@ def bench_batch1(llms: dict[str, LLM], model, prompts, questions, args, eos_id) 
                 "first_mismatch_index": mismatch,
             }
         )
-        if "spec" in llms:
-            row["spec_identical_to_aerie"] = row["spec_token_ids"] == row["aerie_token_ids"]
+        for name in ("spec", "compiled"):
+            if name in llms:
+                same = row[f"{name}_token_ids"] == row["aerie_token_ids"]
+                row[f"{name}_identical_to_aerie"] = same
         rows.append(row)
     return rows
 
@@ -324,6 +333,18 @@ def summarize(
             for size, by_engine in phases.items()
         },
     }
+    if "compiled" in batches:
+        summary.update(
+            {
+                "compiled_batch1_tok_s": tok_s("compiled"),
+                "compiled_over_hf_batch1": tok_s("compiled") / tok_s("hf"),
+                "compiled_over_aerie_batch1": tok_s("compiled") / tok_s("aerie"),
+                "compiled_identical_to_aerie": sum(r["compiled_identical_to_aerie"] for r in rows),
+                "compiled_batch_tok_s": batches["compiled"]["tok_s"],
+                "compiled_over_aerie_batch": batches["compiled"]["tok_s"]
+                / batches["aerie"]["tok_s"],
+            }
+        )
     if "spec" in batches:
         summary.update(
             {
@@ -382,6 +403,14 @@ def print_summary(rows: list[dict], summary: dict) -> None:
             f"{s['spec_over_aerie_batch']:.2f}x AR, acceptance length "
             f"{s['spec_acceptance_length_batch']:.2f}"
         )
+    if "compiled_batch1_tok_s" in s:
+        print(
+            f"compiled AR batch 1: {s['compiled_batch1_tok_s']:.1f} tok/s, "
+            f"{s['compiled_over_hf_batch1']:.2f}x transformers, "
+            f"{s['compiled_over_aerie_batch1']:.2f}x eager AR, identical to eager AR "
+            f"{s['compiled_identical_to_aerie']}/{s['num_prompts']}; batch {s['batch']}: "
+            f"{s['compiled_batch_tok_s']:.1f} tok/s, {s['compiled_over_aerie_batch']:.2f}x eager"
+        )
     for size, by_engine in s["phase_ms_per_step"].items():
         for name, kinds in by_engine.items():
             for kind, phases in kinds.items():
@@ -398,6 +427,13 @@ def plot(summary: dict, machine: dict, settings: dict, path: Path) -> None:
         f"{s['aerie_over_hf_batch1']:.2f}x transformers",
         f"{s['aerie_batch_over_batch1']:.2f}x AR batch 1",
     ]
+    if "compiled_batch1_tok_s" in s:
+        labels += ["Aerie AR\ncompiled, batch 1", f"Aerie AR\ncompiled, batch {s['batch']}"]
+        values += [s["compiled_batch1_tok_s"], s["compiled_batch_tok_s"]]
+        notes += [
+            f"{s['compiled_over_hf_batch1']:.2f}x transformers",
+            f"{s['compiled_over_aerie_batch']:.2f}x eager AR",
+        ]
     if "spec_batch1_tok_s" in s:
         labels += ["Aerie EAGLE\nbatch 1", f"Aerie EAGLE\nbatch {s['batch']}"]
         values += [s["spec_batch1_tok_s"], s["spec_batch_tok_s"]]
@@ -406,8 +442,8 @@ def plot(summary: dict, machine: dict, settings: dict, path: Path) -> None:
             f"{s['spec_acceptance_length_batch1']:.2f}",
             f"{s['spec_over_aerie_batch']:.2f}x AR\naccept {s['spec_acceptance_length_batch']:.2f}",
         ]
-    with png_figure(path, figsize=(9, 4.8)) as ax:
-        colors = ["#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+    with png_figure(path, figsize=(1.8 * len(values) + 1.8, 4.8)) as ax:
+        colors = ["#9e9e9e", "#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#2ca02c", "#d62728"]
         bars = ax.bar(labels, values, color=colors[: len(values)])
         for bar, value, note in zip(bars, values, notes):
             text = f"{value:.1f} tok/s" + (f"\n{note}" if note else "")
@@ -444,6 +480,8 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=max(64, args.batch),
     )
     llms = {"aerie": LLM(model=MODEL, draft=None, **options)}
+    if args.torch_compile:
+        llms["compiled"] = LLM(model=MODEL, draft=None, enable_torch_compile=True, **options)
     draft = resolve_draft(MODEL, args.draft)
     if draft:
         llms["spec"] = LLM(model=MODEL, draft=draft, **options)
@@ -480,6 +518,7 @@ def main(argv: list[str] | None = None) -> None:
         "greedy": True,
         "prefix_caching": args.prefix_caching,
         "draft": draft,
+        "compiled": "LLM(draft=None, enable_torch_compile=True)" if args.torch_compile else None,
         "aerie": "LLM(draft=None), SamplingParams(temperature=0, max_tokens=N"
         + (", min_tokens=N)" if args.ignore_eos else ")"),
         "transformers": "model.generate(do_sample=False, max_new_tokens=N"

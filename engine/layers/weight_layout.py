@@ -9,8 +9,8 @@ The engine stores its CPU weights this way. Only the memory layout changes: ever
 every result, stays the same. The eager engine runs its fp32 CPU linears through oneDNN instead
 (engine/layers/onednn_linear.py), faster from a few rows on, and on this layout for passes of
 fewer rows where BLAS measures faster at start-up (engine/linear_kernels.py); this layout also
-serves a compiled model, and the linears oneDNN cannot run. benchmarks/bench_weight_layout.py measures
-whole passes with each format.
+serves a compiled model, and the linears oneDNN cannot run. benchmarks/bench_weight_layout.py
+measures whole passes with each format.
 """
 
 from __future__ import annotations
