@@ -19,7 +19,8 @@ whether the step drafts at all. What it goes by, first to last:
 - a probe: after `probe_interval` plain steps it drafts anyway, so the estimates follow the traffic;
 - the realized rates (engine/realized_rates.py): per batch-size bucket, the tokens per sequence
   per second that recent drafting steps and recent plain steps have actually delivered, whole
-  steps both; once 16 drafting and 4 plain steps have been seen and their rates stand two
+  steps both; once 4 plain steps and 16 drafting steps have been seen (at one sequence; from 4
+  sequences up 4 drafting steps, as each averages over its sequences) and their rates stand two
   standard errors apart, the faster kind is chosen (a bucket that drafts takes a plain step
   every 32 drafting decisions to keep its comparison fresh);
 - until then, the cost model's prediction of both rates for the step's batch, from the recent
@@ -33,10 +34,11 @@ The model alone was right on average but not at every batch size, and a small er
 step: optimistic at 4 sequences, it drafted on 158 of 190 steps at 0.83x plain decoding's speed;
 pessimistic after a few early probes at 1, it backed its probes off and never drafted again.
 Probes stay `probe_interval` apart until the realized rates show drafting losing at the batch
-size; then they back off so that they cost at most 1% of decoding time (the drafting time over 1%
-of a plain step, at least `probe_interval` and at most 256 steps). On plain steps the head catches
-up on the decoding sequences' new tokens only every 32nd step, in one batch, so that a mostly
-plain engine costs next to nothing over plain decoding.
+size; then they back off so that they cost at most 1% of decoding time (what a drafting step
+has recently taken beyond a plain one there, its drafting, larger pass and acceptance walk, over
+1% of a plain step; at least `probe_interval` and at most 256 steps). On plain steps the head
+catches up on the decoding sequences' new tokens only every 32nd step, in one batch, so that a
+mostly plain engine costs next to nothing over plain decoding.
 
 Which nodes are verified depends only on the drafts, never on the target's answer, so the
 acceptance rule stays lossless.
@@ -173,8 +175,11 @@ class DraftBudget:
 
     def _probe_wait(self, num_sequences: int, num_pass_tokens: int) -> int:
         """Plain steps between probes that do not pay, so that they cost `_PROBE_SHARE` of the
-        time: a probe costs its drafting, a plain step its pass."""
-        steps = self._draft_seconds(num_sequences) / (_PROBE_SHARE * self._seconds(num_pass_tokens))
+        time: a probe costs its drafting, or all that drafting steps have really taken beyond a
+        plain step here (their larger pass and walk too) when known; a plain step its pass."""
+        realized = self.realized.extra_seconds(num_sequences) or 0.0
+        extra = max(self._draft_seconds(num_sequences), realized)
+        steps = extra / (_PROBE_SHARE * self._seconds(num_pass_tokens))
         return int(min(_MAX_PROBE_INTERVAL, max(self.probe_interval, math.ceil(steps))))
 
     def head_catch_up_due(self) -> bool:

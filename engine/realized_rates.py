@@ -8,7 +8,9 @@ prediction that is a little optimistic there drafts on every step and loses to p
 (1, 2-3, 4-7, 8-15, ...), the tokens per sequence and seconds of its recent drafting steps and
 of its recent plain steps, whole steps both (the head, the pass, the acceptance and the commit).
 Once both have been seen often enough and differ by more than their noise, the realized rates
-decide, whatever the model predicts.
+decide, whatever the model predicts. "Often enough" is fewer steps for more sequences: a step's
+tokens per sequence average over all of them, so at 16 sequences four drafting steps say more
+than sixteen at one.
 
 A bucket that keeps drafting still needs a fresh plain step now and then to compare against: one
 every `plain_probe_interval` drafting decisions. (The other way round, the budget's own probes
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 _DRAFTED_WINDOW = 32  # drafting steps per bucket: their tokens vary from step to step
 _PLAIN_WINDOW = 8  # plain steps per bucket: they always emit one token a sequence
 _CONFIDENCE = 2.0  # standard errors apart before the realized rates decide
+_MIN_DRAFTED_STEPS = 4  # drafting steps before a verdict, however many sequences each had
 
 
 @dataclass
@@ -41,7 +44,7 @@ class RealizedRates:
     ) -> None:
         self.plain_probe_interval = plain_probe_interval
         # steps of each kind before the realized rates decide: a drafting step's tokens vary
-        # (1 to 4 at one sequence), a plain step's do not
+        # (1 to 4 at one sequence), a plain step's do not; min_drafted is for one sequence
         self.min_drafted, self.min_plain = min_drafted, min_plain
         self.buckets: dict[int, _Bucket] = {}
 
@@ -61,7 +64,7 @@ class RealizedRates:
         one: with 4 drafting steps and one standard error, a head worth 1.2x at one sequence
         was judged losing within a few hundred steps and stayed plain."""
         samples = self._bucket(num_sequences)
-        if len(samples.drafted) < self.min_drafted or len(samples.plain) < self.min_plain:
+        if not self._seen_enough(num_sequences):
             return None
         drafted, plain = _rate(samples.drafted), _rate(samples.plain)
         error = math.hypot(_standard_error(samples.drafted), _standard_error(samples.plain))
@@ -72,15 +75,42 @@ class RealizedRates:
         rate it is compared against."""
         samples = self._bucket(num_sequences)
         return samples.drafts_since_plain >= self.plain_probe_interval or (
-            len(samples.plain) < self.min_plain and len(samples.drafted) >= self.min_drafted
+            len(samples.plain) < self.min_plain
+            and len(samples.drafted) >= self._min_drafted(num_sequences)
         )
+
+    def extra_seconds(self, num_sequences: int) -> float | None:
+        """How much longer a drafting step has recently taken than a plain one at this batch
+        size (its drafting, its larger pass and its acceptance walk); None before both."""
+        samples = self._bucket(num_sequences)
+        if not samples.drafted or not samples.plain:
+            return None
+        return max(0.0, _mean_seconds(samples.drafted) - _mean_seconds(samples.plain))
 
     def decided(self, num_sequences: int, drafts: bool) -> None:
         samples = self._bucket(num_sequences)
         samples.drafts_since_plain = samples.drafts_since_plain + 1 if drafts else 0
 
+    def _seen_enough(self, num_sequences: int) -> bool:
+        samples = self._bucket(num_sequences)
+        return (
+            len(samples.drafted) >= self._min_drafted(num_sequences)
+            and len(samples.plain) >= self.min_plain
+        )
+
+    def _min_drafted(self, num_sequences: int) -> int:
+        """Drafting steps this batch size's bucket needs for a verdict: `min_drafted` at one
+        sequence, proportionally fewer for the bucket's fewest sequences, and at least 4."""
+        fewest = 1 << (num_sequences.bit_length() - 1)  # buckets: 1, 2-3, 4-7, 8-15, ...
+        floor = min(_MIN_DRAFTED_STEPS, self.min_drafted)
+        return max(floor, math.ceil(self.min_drafted / fewest))
+
     def _bucket(self, num_sequences: int) -> _Bucket:
         return self.buckets.setdefault(num_sequences.bit_length(), _Bucket())
+
+
+def _mean_seconds(samples: deque[tuple[float, float]]) -> float:
+    return sum(seconds for _, seconds in samples) / len(samples)
 
 
 def _rate(samples: deque[tuple[float, float]]) -> float:

@@ -142,6 +142,20 @@ def test_probes_that_find_drafting_losing_cost_one_percent_and_reset_when_it_win
     assert budget.interval == 4  # when plain steps follow, probes come often again
 
 
+def test_losing_probes_back_off_by_all_a_drafting_step_really_costs():
+    """A probe costs its drafting and also its larger pass and walk: with drafting steps that
+    took 0.3 s beside plain ones of 0.1 s, 1% of the time is one probe in 186 steps (a plain
+    pass of 0.108 s), where the drafting time alone (0.05 s) would allow one in 47."""
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
+    budget.observe_draft(8, 0.05)
+    for _ in range(32):
+        budget.realized.record(False, 8, 8, 0.1)
+        budget.realized.record(True, 8, 8 * 1.2, 0.3)  # more tokens, for thrice the time
+    assert budget.should_draft(8, 8)  # a probe
+    budget.allocate(values(*[[0.01, 0.01]] * 8), 8)
+    assert budget.interval == 186
+
+
 def test_probes_stay_frequent_until_the_realized_rates_say_drafting_loses():
     """A cost model made pessimistic by its first probes must not back the probes off: they are
     what would show it wrong."""

@@ -70,3 +70,27 @@ def test_a_drafting_bucket_is_due_a_plain_step_after_its_interval():
     assert rates.plain_probe_due(1)
     rates.decided(1, drafts=False)
     assert not rates.plain_probe_due(1)
+
+
+def test_a_verdict_needs_fewer_drafting_steps_the_more_sequences_each_has():
+    """Sixteen sequences average out a step's luck: four drafting steps settle what sixteen
+    must at one sequence; the floor of four steps stays."""
+    for num_sequences, needed in ((1, 16), (2, 8), (4, 4), (16, 4), (32, 4)):
+        rates = RealizedRates()
+        for _ in range(4):
+            rates.record(False, num_sequences, num_sequences, 0.020)
+        for step in range(needed):
+            assert rates.drafting_wins(num_sequences) is None, (num_sequences, step)
+            rates.record(True, num_sequences, 1.5 * num_sequences, 0.021 + 0.0001 * step)
+        assert rates.drafting_wins(num_sequences) is True, num_sequences
+
+
+def test_extra_seconds_is_what_a_drafting_step_takes_beyond_a_plain_one():
+    rates = RealizedRates()
+    assert rates.extra_seconds(16) is None
+    rates.record(True, 16, 20, 0.30)
+    rates.record(True, 16, 20, 0.26)
+    assert rates.extra_seconds(16) is None  # no plain step to compare with yet
+    rates.record(False, 16, 16, 0.12)
+    assert abs(rates.extra_seconds(16) - 0.16) < 1e-9
+    assert rates.extra_seconds(1) is None  # another bucket
