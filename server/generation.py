@@ -17,7 +17,7 @@ from engine.errors import AerieError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, ClientDisconnected, api_error_from_engine, error_body
-from server.protocol import Usage
+from server.protocol import Usage, unix_time
 
 logger = logging.getLogger("aerie.server")
 
@@ -206,18 +206,34 @@ def sse(payload: BaseModel) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def chunk_writer(chunk_type: type[BaseModel], request_id: str, model: str) -> Callable[..., str]:
+    """The SSE event of one chunk of a streamed completion (a `chunk_type`, created now): its
+    choices, and usage on the last."""
+    created = unix_time()
+
+    def chunk(choices: list, usage: Usage | None = None) -> str:
+        return sse(
+            chunk_type(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        )
+
+    return chunk
+
+
 async def sse_stream(
-    call: EngineCall, chunks: AsyncIterator[str], usage_chunk: Callable[[], str] | None
+    call: EngineCall,
+    chunks: AsyncIterator[str],
+    write_chunk: Callable[..., str],
+    include_usage: bool,
 ) -> AsyncGenerator[str, None]:
-    """A call's server-sent events: its `chunks`, the usage chunk (made at the end) when one is
-    asked for, then [DONE]. An engine fault ends the chunks with an error event, which [DONE]
-    still follows, as in vLLM's server. However it ends, even before the first chunk, the call
-    is closed: what has not finished is aborted."""
+    """A call's server-sent events: its `chunks`, a usage chunk (made with `write_chunk` at the
+    end) when `include_usage`, then [DONE]. An engine fault ends the chunks with an error event,
+    which [DONE] still follows, as in vLLM's server. However it ends, even before the first
+    chunk, the call is closed: what has not finished is aborted."""
     try:
         async for chunk in chunks:
             yield chunk
-        if usage_chunk is not None:
-            yield usage_chunk()
+        if include_usage:
+            yield write_chunk([], usage=call.usage)
     except APIError as exc:
         yield sse_error(exc)
     finally:

@@ -11,8 +11,8 @@ from server.errors import APIError
 from server.generation import (
     EngineCall,
     EngineStreamingResponse,
+    chunk_writer,
     collect,
-    sse,
     sse_stream,
     start_call,
 )
@@ -49,10 +49,11 @@ async def create_chat_completion(
     request_id, model = random_id("chatcmpl"), state.settings.served_model_name
     call = start_call(engine, request_id, [prompt], params)
     if body.stream:
-        chunk = _chunk_writer(request_id, model)
+        chunk = chunk_writer(ChatCompletionChunk, request_id, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        usage_chunk = (lambda: chunk([], usage=call.usage)) if include_usage else None
-        events = sse_stream(call, _choice_chunks(call, chunk, tokenizer, params.n), usage_chunk)
+        events = sse_stream(
+            call, _choice_chunks(call, chunk, tokenizer, params.n), chunk, include_usage
+        )
         return EngineStreamingResponse(events, call)
     (final,) = await collect(call, http_request)
     choices = [
@@ -76,20 +77,6 @@ def _reject_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(
             400, "response_format other than text is not supported yet", param="response_format"
         )
-
-
-def _chunk_writer(request_id: str, model: str) -> Callable[..., str]:
-    """The SSE event of one chunk of this completion: its choices (and usage, on the last)."""
-    created = unix_time()
-
-    def chunk(choices: list[ChatChunkChoice], usage=None) -> str:
-        return sse(
-            ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=choices, usage=usage
-            )
-        )
-
-    return chunk
 
 
 async def _choice_chunks(

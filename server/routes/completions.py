@@ -11,8 +11,8 @@ from server.errors import APIError
 from server.generation import (
     EngineCall,
     EngineStreamingResponse,
+    chunk_writer,
     collect,
-    sse,
     sse_stream,
     start_call,
 )
@@ -47,11 +47,10 @@ async def create_completion(body: CompletionRequest, http_request: Request, stat
     echoes = [tokenizer.decode(p) if body.echo else "" for p in prompts]
     call = start_call(engine, request_id, prompts, params)
     if body.stream:
-        chunk = _chunk_writer(request_id, model)
+        chunk = chunk_writer(CompletionResponse, request_id, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        usage_chunk = (lambda: chunk([], usage=call.usage)) if include_usage else None
         chunks = _choice_chunks(call, chunk, tokenizer, params.n, echoes)
-        return EngineStreamingResponse(sse_stream(call, chunks, usage_chunk), call)
+        return EngineStreamingResponse(sse_stream(call, chunks, chunk, include_usage), call)
     finals = await collect(call, http_request)
     choices = []
     for i, final in enumerate(finals):
@@ -67,20 +66,6 @@ async def create_completion(body: CompletionRequest, http_request: Request, stat
     return CompletionResponse(
         id=request_id, created=unix_time(), model=model, choices=choices, usage=call.usage
     )
-
-
-def _chunk_writer(request_id: str, model: str) -> Callable[..., str]:
-    """The SSE event of one chunk of this completion: its choices (and usage, on the last)."""
-    created = unix_time()
-
-    def chunk(choices: list[CompletionChoice], usage=None) -> str:
-        return sse(
-            CompletionResponse(
-                id=request_id, created=created, model=model, choices=choices, usage=usage
-            )
-        )
-
-    return chunk
 
 
 async def _choice_chunks(

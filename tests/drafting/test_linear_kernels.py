@@ -3,11 +3,14 @@ target, the head and the draft lm_head, and decoding stays exact whichever kerne
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
 from engine import linear_kernels
-from engine.layers.onednn_linear import onednn_linears
+from engine.layers.onednn_linear import OneDnnLinear, onednn_linears
 from tests.drafting.test_speculative_generation import (
     assert_same_or_near_tie,
     generate,
@@ -40,19 +43,24 @@ def test_a_small_model_is_not_timed_and_keeps_onednn(bigram_target, monkeypatch)
 
 @pytest.mark.parametrize("rows_limit", [0, 2, 8])
 def test_the_measured_choice_reaches_every_linear_and_speculation_stays_exact(
-    bigram_target, trained_head, monkeypatch, rows_limit
+    bigram_target, trained_head, monkeypatch, rows_limit, tmp_path
 ):
     monkeypatch.setattr(linear_kernels, "_MIN_WEIGHT_BYTES", 0)
     monkeypatch.setattr(linear_kernels, "_fastest_passes", blas_faster_up_to(rows_limit))
+    # a reduced draft vocabulary, so that the draft lm_head is a linear of its own
+    head = shutil.copytree(trained_head, tmp_path / "head")
+    (head / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(3, 256, 2))}))
     prompts = mixed_prompts(6, seed=3)
     _, plain = generate(bigram_target, None, prompts, num_kv_blocks=1024)
-    llm, speculative = generate(bigram_target, trained_head, prompts, num_kv_blocks=1024)
+    llm, speculative = generate(bigram_target, head, prompts, num_kv_blocks=1024)
 
     engine = llm.engine
     assert engine.runner.blas_max_rows == rows_limit
-    drafter_linears = [*onednn_linears(engine.drafter.head), engine.drafter.draft_lm_head]
-    for layer in [*onednn_linears(engine.runner.model), *drafter_linears]:
-        assert getattr(layer, "blas_max_rows", rows_limit) == rows_limit
+    head_linears = onednn_linears(engine.drafter.head)
+    assert head_linears and isinstance(engine.drafter.draft_lm_head, OneDnnLinear)
+    linears = [*onednn_linears(engine.runner.model), *head_linears, engine.drafter.draft_lm_head]
+    for layer in linears:
+        assert layer.blas_max_rows == rows_limit
     for prompt, a, b in zip(prompts, plain, speculative):
         assert_same_or_near_tie(
             bigram_target, prompt, a.outputs[0].token_ids, b.outputs[0].token_ids
