@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.direct_call import DirectCallModule
 from engine.layers.flash_attention import FlashAttentionMetadata, flash_paged_attention
 from engine.layers.norm import RMSNorm
 from engine.layers.paged_attention import AttentionMetadata, paged_attention, store_kv
 from engine.layers.rotary import apply_rotary
 
 
-class Attention(nn.Module):
+class Attention(DirectCallModule):
     def __init__(
         self,
         hidden_size: int,

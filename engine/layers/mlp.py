@@ -4,8 +4,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.direct_call import DirectCallModule
 
-class GatedMLP(nn.Module):
+
+class GatedMLP(DirectCallModule):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.direct_call import DirectCallModule
+
 _LAYOUT_HINT_ROWS = 16  # oneDNN lays the weight out for this many rows; it computes any number
 
 
@@ -43,7 +45,7 @@ def can_use_onednn(weight: torch.Tensor) -> bool:
     )
 
 
-class OneDnnLinear(nn.Module):
+class OneDnnLinear(DirectCallModule):
     """An inference-only nn.Linear whose matmul runs on a oneDNN copy of its weight."""
 
     def __init__(self, linear: nn.Linear, blas_max_rows: int = 0) -> None:

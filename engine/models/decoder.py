@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engine.layers.attention import Attention
+from engine.layers.direct_call import DirectCallModule
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.paged_attention import AttentionMetadata
@@ -20,7 +21,7 @@ from engine.layers.weights import load_named_weights
 from engine.models.spec import ModelSpec
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectCallModule):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

@@ -1,0 +1,15 @@
+"""A module whose call is its forward: the inference engine's layers skip nn.Module's call path.
+
+`nn.Module.__call__` looks for hooks, forward pre-hooks and global state on every call, a few
+microseconds each on a CPU. A one-token pass of the default model makes some 270 module calls (121
+linears, 61 norms, 30 each of attention, MLP and decoder layer), and in an interleaved A/B run that
+call path cost 1.5 ms of a 39 ms pass. The engine's modules register no hooks, so they call their
+forward directly; autograd, `state_dict`, `.to()` and torch.compile are unaffected.
+"""
+
+from torch import nn
+
+
+class DirectCallModule(nn.Module):
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
