@@ -64,7 +64,7 @@ class RealizedRates:
         one: with 4 drafting steps and one standard error, a head worth 1.2x at one sequence
         was judged losing within a few hundred steps and stayed plain."""
         samples = self._bucket(num_sequences)
-        if not self._seen_enough(num_sequences):
+        if not self._seen_enough(samples, num_sequences):
             return None
         drafted, plain = _rate(samples.drafted), _rate(samples.plain)
         error = math.hypot(_standard_error(samples.drafted), _standard_error(samples.plain))
@@ -91,8 +91,7 @@ class RealizedRates:
         samples = self._bucket(num_sequences)
         samples.drafts_since_plain = samples.drafts_since_plain + 1 if drafts else 0
 
-    def _seen_enough(self, num_sequences: int) -> bool:
-        samples = self._bucket(num_sequences)
+    def _seen_enough(self, samples: _Bucket, num_sequences: int) -> bool:
         return (
             len(samples.drafted) >= self._min_drafted(num_sequences)
             and len(samples.plain) >= self.min_plain

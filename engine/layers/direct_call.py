@@ -2,9 +2,10 @@
 
 `nn.Module.__call__` looks for hooks, forward pre-hooks and global state on every call, a few
 microseconds each on a CPU. A one-token pass of the default model makes some 270 module calls (121
-linears, 61 norms, 30 each of attention, MLP and decoder layer), and in an interleaved A/B run that
-call path cost 1.5 ms of a 39 ms pass. The engine's modules register no hooks, so they call their
-forward directly; autograd, `state_dict`, `.to()` and torch.compile are unaffected.
+linears, 61 norms, 30 each of attention, MLP and decoder layer), and that call path costs 0.8-1.8
+ms of a 40-49 ms pass (benchmarks/bench_pass_breakdown.py). The engine's modules register no
+hooks, so they call their forward directly; autograd, `state_dict`, `.to()` and torch.compile are
+unaffected.
 """
 
 from torch import nn

@@ -48,8 +48,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos and signed sin rows [T, 1, head_dim] of positions [T], computed once per step."""
-        cos, sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
-        return (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
+        cos, signed_sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+        if cos.dtype == dtype:
+            return cos, signed_sin
+        return cos.to(dtype), signed_sin.to(dtype)
 
 
 def apply_rotary(
