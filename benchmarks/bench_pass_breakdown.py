@@ -32,8 +32,8 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.layers import attention, norm
+from engine.layers.cpu_linear import cpu_linears
 from engine.layers.direct_call import DirectCallModule
-from engine.layers.onednn_linear import onednn_linears
 from engine.layers.rotary import RotaryEmbedding
 from engine.llm import LLM
 
@@ -97,7 +97,7 @@ def timed_pass(runner, patches: list) -> float:
 
 def linear_chain(model: nn.Module) -> Callable[[], float]:
     """Seconds of the model's linears alone, each on one row, in pass order."""
-    linears = onednn_linears(model)
+    linears = cpu_linears(model)
     rows = {layer.in_features: torch.randn(1, layer.in_features) for layer in linears}
 
     @torch.inference_mode()
@@ -140,7 +140,8 @@ def main() -> None:
         "model": args.model,
         "threads": torch.get_num_threads(),
         "rounds": args.rounds,
-        "blas_max_rows": runner.blas_max_rows,
+        "blas_max_rows": runner.linear_kernels.blas_max_rows,
+        "packed_format": runner.linear_kernels.packed_format,
     }
     path = args.out_dir / "pass_breakdown.json"
     path.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")

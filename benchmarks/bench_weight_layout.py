@@ -2,13 +2,15 @@
 
 Four formats of the same weights, each a full pass of the engine's model (paged attention, lm_head
 on each sequence's first row), swapped in turn within every round so that the machine's drift
-hits all four alike: row-major (PyTorch's default), column-major (engine/layers/weight_layout.py,
-what a compiled model keeps), MKL-packed (`cblas_sgemm_pack` once, from 2 to 32 rows, column-major
-otherwise: the eager engine's format before oneDNN) and oneDNN (engine/layers/onednn_linear.py,
-the eager engine's).
+hits all four alike: BLAS on row-major weights (PyTorch's default) and on column-major ones
+(engine/layers/weight_layout.py, what a compiled model keeps and the eager engine's BLAS passes
+read), MKL-packed (`cblas_sgemm_pack` once; up to 16 rows, column-major BLAS above) and oneDNN's
+blocked layout, the last two as the eager engine's CpuLinears run them with BLAS serving no pass
+(engine/layers/cpu_linear.py). The eager engine chooses one of those two at start-up, and BLAS
+for passes of one or a few rows where it measures faster (engine/linear_kernels.py).
 Two pass shapes: one sequence verifying N tokens (a draft tree) and N sequences decoding one token
 each (a batch). Reports the best of `--rounds` per point. Writes ``weight_layout.json`` and
-``.png`` to ``--out-dir``. From the repository root:
+``.png`` (``weight_layout_TAG.*`` with ``--tag``) to ``--out-dir``. From the repository root:
 
     .venv/bin/python benchmarks/bench_weight_layout.py    # ~2 minutes
 """
@@ -21,11 +23,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from engine.layers.onednn_linear import OneDnnLinear
+from engine.layers.cpu_linear import ONEDNN, CpuLinear, LinearKernels, formats_available
 from engine.layers.weight_layout import column_major
 from engine.llm import LLM
 
@@ -38,43 +39,32 @@ SHAPES = {  # name: (tokens in the pass, tokens per sequence) for each N
 }
 
 
-def weight_formats(model: nn.Module) -> dict[str, dict[tuple[nn.Module, str], nn.Module]]:
-    """Per format, the module to set at each (parent, attribute) of the model's oneDNN linears."""
+def weight_formats(model: nn.Module, kernels: LinearKernels) -> dict[str, tuple[dict, str]]:
+    """Per format, the module to set at each (parent, attribute) of the model's CPU linears, and
+    the packed format their shared `kernels` name (the engine's own modules run that one)."""
     slots = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, OneDnnLinear)
+        if isinstance(child, CpuLinear)
     ]
-    return {
-        "row-major": {(p, n): _linear(c.weight.detach().contiguous(), c.bias) for p, n, c in slots},
-        "column-major": {
-            (p, n): _linear(column_major(c.weight.detach()), c.bias) for p, n, c in slots
-        },
-        "MKL-packed": {
-            (p, n): MklPackedLinear(_linear(column_major(c.weight.detach()), c.bias))
-            for p, n, c in slots
-        },
-        "oneDNN": {(p, n): c for p, n, c in slots},
+    for _, _, child in slots:
+        for packed_format in formats_available():
+            child.lay_out(packed_format)
+    engine_modules = {(p, n): c for p, n, c in slots}
+    formats = {
+        "row-major": (
+            {(p, n): _linear(c.weight.detach().contiguous(), c.bias) for p, n, c in slots},
+            ONEDNN,
+        ),
+        "column-major": (
+            {(p, n): _linear(column_major(c.weight.detach()), c.bias) for p, n, c in slots},
+            ONEDNN,
+        ),
     }
-
-
-class MklPackedLinear(nn.Module):
-    """The weight also in MKL's packed GEMM layout (packed once), run from 2 to 32 rows; the
-    plain kernel on the column-major weight otherwise. The eager engine's format before oneDNN."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.contiguous(), 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = x.reshape(-1, x.shape[-1])  # [M, in]
-        if not 2 <= rows.shape[0] <= 32:
-            return F.linear(x, self.weight, self.bias)
-        # The op runs the packed kernel when its last argument equals the number of rows.
-        out = torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, self.bias, rows.shape[0])
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+    for packed_format in formats_available():
+        formats[packed_format] = (engine_modules, packed_format)
+    return formats
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:  # weight: [out, in]
@@ -100,14 +90,18 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--tag", default="", help="write weight_layout_TAG.json and .png")
     args = parser.parse_args()
     runner = LLM(model=args.model, draft=None, kv_cache_memory_gib=0.25).engine.runner
-    formats = weight_formats(runner.model)
+    kernels = runner.linear_kernels
+    formats = weight_formats(runner.model, kernels)
+    kernels.blas_max_rows = 0  # the CpuLinears run their packed copy for every pass size
     best = {f: {s: [float("inf")] * len(p) for s, p in SHAPES.items()} for f in formats}
     for _ in tqdm(range(args.rounds), desc="rounds"):
-        for name, modules in formats.items():
+        for name, (modules, packed_format) in formats.items():
             for (parent, attribute), module in modules.items():
                 setattr(parent, attribute, module)
+            kernels.packed_format = packed_format
             for shape, points in SHAPES.items():
                 for i, (num_tokens, per_sequence) in enumerate(points):
                     ms = time_pass(runner, num_tokens, per_sequence)
@@ -125,7 +119,7 @@ def main() -> None:
             print("  " + ", ".join(f"{k} {v}" for k, v in row.items()))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"model": args.model, "threads": torch.get_num_threads(), "rounds": args.rounds}
-    path = args.out_dir / "weight_layout.json"
+    path = args.out_dir / (f"weight_layout_{args.tag}.json" if args.tag else "weight_layout.json")
     path.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
     plot(results, list(formats), path.with_suffix(".png"))
 

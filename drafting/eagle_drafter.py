@@ -24,7 +24,7 @@ from drafting.tree import ROOT, Candidates, rerank
 from engine.draft_budget import DraftBudget
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, logits_context, sample_one_each
-from engine.layers.onednn_linear import OneDnnLinear, can_use_onednn
+from engine.layers.cpu_linear import CpuLinear, can_use_cpu_linear
 from engine.layers.paged_attention import (
     SequenceAttention,
     build_attention_metadata,
@@ -411,12 +411,12 @@ def _extend_ancestors(
 
 
 def _draft_lm_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None) -> nn.Module:
-    """The target's lm_head, or a copy of its rows for a reduced draft vocabulary (run through
-    oneDNN where it can be, as the target's own linears are)."""
+    """The target's lm_head, or a copy of its rows for a reduced draft vocabulary (a CpuLinear
+    sharing the target's kernel choice where it can be, as the target's own linears are)."""
     if draft_vocab is None:
         return lm_head
     rows = nn.Linear(lm_head.in_features, len(draft_vocab), bias=False, device="meta")
     rows.weight = nn.Parameter(lm_head.weight.detach()[draft_vocab], requires_grad=False)
-    if not can_use_onednn(rows.weight):
+    if not can_use_cpu_linear(rows.weight):
         return rows
-    return OneDnnLinear(rows, getattr(lm_head, "blas_max_rows", 0))  # the kernels the target's use
+    return CpuLinear(rows, getattr(lm_head, "kernels", None))  # the kernels the target's use

@@ -1,63 +1,115 @@
-"""Which kernel runs the linears of a pass of few rows on this machine: oneDNN's or BLAS's.
+"""Which kernels run the linears on this machine: the format of each weight's second copy, and up to
+how many rows BLAS's GEMV on the plain weight serves a pass instead.
 
-oneDNN's blocked weights (engine/layers/onednn_linear.py) read each weight once however few the
-rows. On the AMD EPYC (AVX2) of this project's first machines they beat MKL at every pass size;
-on an Intel Xeon with AVX-512, MKL's GEMV on the plain weight is faster for one to three rows
-(benchmarks/results/weight_layout_xeon.json: a one-token pass of the default model took 32.5 ms
-row-major, 39.5 through oneDNN), and oneDNN wins from 4 or 8 rows. So at start-up the engine times
-whole passes of 1, 2, 4 and 8 sequences of one token each with both kernels, in turns, and lets BLAS
-serve passes of up to the largest of those sizes at which it, and every smaller one, is clearly
-faster.
+The kernels rank differently from one CPU to another (engine/layers/cpu_linear.py): on the AMD EPYC
+(AVX2) of this project's first machines oneDNN's blocked weights were the fastest at every pass
+size; on an Intel Xeon with AVX-512, BLAS's GEMV is the fastest for one row and MKL's packed GEMM
+from four rows (benchmarks/results/weight_layout_xeon.json). So at start-up the engine times whole
+passes of one-token sequences, the candidates taking turns in every round:
 
-The two kernels sum in different orders, so they agree to float rounding, as any two BLAS
-kernels do. A model whose weights fit in a CPU's caches is not timed (its passes do not stream
-weights, so the choice hardly matters there) and keeps oneDNN throughout: tests' tiny models run
-the same kernels on every start.
+1. the format: oneDNN against MKL-packed (where PyTorch has MKL) on passes of 4, 8, 16 and 64
+   sequences, BLAS serving none; MKL-packed is kept when its times average under 95% of oneDNN's,
+   and the other copies are freed;
+2. BLAS's share: passes of 1, 2, 4 and 8 sequences through BLAS against the chosen format; BLAS
+   serves passes of up to the largest of those sizes at which it, and every smaller one, is
+   clearly faster.
+
+The kernels sum in different orders, so they agree to float rounding, as any two BLAS kernels do.
+A model whose weights fit in a CPU's caches is not timed (its passes do not stream weights, so the
+choice hardly matters there) and keeps oneDNN throughout: tests' tiny models run the same kernels
+on every start.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
-from engine.layers.onednn_linear import onednn_linears, use_blas_up_to
+from engine.layers.cpu_linear import ONEDNN, LinearKernels, cpu_linears, formats_available
 
 logger = logging.getLogger(__name__)
 
-_ROW_COUNTS = (1, 2, 4, 8)  # pass sizes tried, in order; BLAS must win at each one up to its choice
-_ROUNDS = 5  # timed passes per kernel and size, the kernels taking turns; the fastest counts
-_MARGIN = 0.95  # BLAS is chosen for a size only when its pass takes under this share of oneDNN's
+_FORMAT_ROWS = (4, 8, 16, 64)  # pass sizes the formats are compared on
+_BLAS_ROWS = (1, 2, 4, 8)  # pass sizes tried for BLAS, in order; it must win at each one
+_ROUNDS = 5  # timed passes per candidate and size, the candidates taking turns; the fastest counts
+_MARGIN = 0.95  # a candidate replaces the default only under this share of its time
 _MIN_WEIGHT_BYTES = 64 << 20  # smaller models are not timed: oneDNN serves every pass
 
 
-def choose_blas_rows(runner) -> int:
-    """Time `runner`'s passes with both kernels; set and return the chosen `blas_max_rows` of
-    every OneDnnLinear of its model (0: oneDNN for all). Uses the KV cache as scratch, so call it
-    before any request is scheduled."""
-    linears = onednn_linears(runner.model)
+def choose_linear_kernels(runner, kernels: LinearKernels) -> None:
+    """Time `runner`'s passes and set `kernels` (shared by every CpuLinear of its model) to the
+    fastest choice. Uses the KV cache as scratch, so call it before any request is scheduled."""
+    linears = cpu_linears(runner.model)
     weight_bytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in linears)
     if weight_bytes < _MIN_WEIGHT_BYTES:
-        return 0
-    chosen, timings = 0, []
-    for rows in _ROW_COUNTS:
-        blas, onednn = _fastest_passes(runner, rows)
-        timings.append(f"{rows} rows: BLAS {1000 * blas:.1f} ms, oneDNN {1000 * onednn:.1f} ms")
-        if blas > _MARGIN * onednn:
+        return
+    format_timings = _choose_format(runner, kernels, formats_available())
+    for layer in linears:
+        layer.keep_only(kernels.packed_format)
+    blas_timings = _choose_blas_rows(runner, kernels)
+    logger.info(
+        "linear kernels: BLAS up to %d rows, then %s (%s; %s)",
+        kernels.blas_max_rows,
+        kernels.packed_format,
+        format_timings,
+        blas_timings,
+    )
+
+
+def _choose_format(runner, kernels: LinearKernels, formats: tuple[str, ...]) -> str:
+    kernels.blas_max_rows = 0
+    candidates = [LinearKernels(packed_format=f) for f in formats]
+    for layer in cpu_linears(runner.model):
+        for packed_format in formats:
+            layer.lay_out(packed_format)
+    per_size = [_fastest_passes(runner, kernels, candidates, rows) for rows in _FORMAT_ROWS]
+    ratios = {  # format -> its mean time relative to oneDNN's
+        c.packed_format: statistics.fmean(s[i] / s[0] for s in per_size)
+        for i, c in enumerate(candidates)
+    }
+    best = min(ratios, key=ratios.get)
+    kernels.packed_format = best if ratios[best] < _MARGIN else ONEDNN
+    return (
+        "formats: "
+        + ", ".join(
+            f"{rows} rows " + "/".join(f"{1000 * t:.1f}" for t in times) + " ms"
+            for rows, times in zip(_FORMAT_ROWS, per_size)
+        )
+        + f" ({'/'.join(formats)})"
+    )
+
+
+def _choose_blas_rows(runner, kernels: LinearKernels) -> str:
+    packed_format, timings = kernels.packed_format, []
+    chosen = 0
+    for rows in _BLAS_ROWS:
+        candidates = [LinearKernels(packed_format, rows), LinearKernels(packed_format, 0)]
+        blas, packed = _fastest_passes(runner, kernels, candidates, rows)
+        timings.append(
+            f"{rows} rows: BLAS {1000 * blas:.1f} ms, {packed_format} {1000 * packed:.1f}"
+        )
+        if blas > _MARGIN * packed:
             break
         chosen = rows
-    use_blas_up_to(runner.model, chosen)
-    logger.info("linear kernels: BLAS up to %d rows, then oneDNN (%s)", chosen, "; ".join(timings))
-    return chosen
+    kernels.blas_max_rows = chosen
+    return "; ".join(timings)
 
 
-def _fastest_passes(runner, rows: int) -> tuple[float, float]:
-    """Seconds of the fastest pass of `rows` one-token sequences with BLAS, and with oneDNN."""
-    fastest = {rows: float("inf"), 0: float("inf")}  # blas_max_rows -> seconds
-    for round_ in range(_ROUNDS + 1):  # the first round only warms both up
-        for max_rows in fastest:
-            use_blas_up_to(runner.model, max_rows)
+def _fastest_passes(
+    runner, kernels: LinearKernels, candidates: list[LinearKernels], rows: int
+) -> list[float]:
+    """Seconds of the fastest pass of `rows` one-token sequences with `kernels` set to each
+    candidate in turn (and left at the last one)."""
+    fastest = [float("inf")] * len(candidates)
+    for round_ in range(_ROUNDS + 1):  # the first round only warms every candidate up
+        for i, candidate in enumerate(candidates):
+            kernels.packed_format, kernels.blas_max_rows = (
+                candidate.packed_format,
+                candidate.blas_max_rows,
+            )
             started = time.perf_counter()
             runner.synthetic_pass(rows, 1)
             if round_:
-                fastest[max_rows] = min(fastest[max_rows], time.perf_counter() - started)
-    return fastest[rows], fastest[0]
+                fastest[i] = min(fastest[i], time.perf_counter() - started)
+    return fastest

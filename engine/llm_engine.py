@@ -23,7 +23,7 @@ from engine.draft_budget import DraftBudget, StepOutcome, expected_tokens
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, AutoregressiveDrafter, Drafter
 from engine.errors import InvalidRequestError
-from engine.layers.onednn_linear import use_blas_up_to, use_onednn_linears
+from engine.layers.cpu_linear import use_cpu_linears
 from engine.model_files import load_config, load_state_dict, load_tokenizer, resolve_model_path
 from engine.model_runner import ForwardOutput, ModelRunner
 from engine.models.spec import ModelSpec
@@ -70,7 +70,7 @@ class LLMEngine:
             config, self.spec, hf_config, state_dict, self.max_model_len, extra_layers
         )
         if head:  # the head's passes are as few rows as the target's, and choose as they do
-            use_blas_up_to(head, self.runner.blas_max_rows)
+            use_cpu_linears(head, self.runner.linear_kernels)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -88,11 +88,9 @@ class LLMEngine:
     def _load_head(self, config: EngineConfig):
         from drafting.head import load_head  # drafting builds on the engine, not the reverse
 
-        head = load_head(
+        return load_head(
             config.draft, self.spec, self.max_model_len, config.torch_device, config.torch_dtype
         )
-        use_onednn_linears(head)  # the engine only runs it forward
-        return head
 
     def _make_drafter(self, head) -> Drafter:
         from drafting.eagle_drafter import EagleDrafter, TreeShape

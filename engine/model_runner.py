@@ -12,16 +12,16 @@ from engine.compilation import compile_model, warm_up
 from engine.config import EngineConfig
 from engine.draft_tree import DraftTree
 from engine.kv_cache import KVCache, LayerShape
+from engine.layers.cpu_linear import LinearKernels, use_cpu_linears
 from engine.layers.flash_attention import (
     build_flash_attention_metadata,
     flash_supports,
     load_flash_kernel,
     select_attention_backend,
 )
-from engine.layers.onednn_linear import use_onednn_linears
 from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
-from engine.linear_kernels import choose_blas_rows
+from engine.linear_kernels import choose_linear_kernels
 from engine.models.decoder import DecoderModel
 from engine.models.spec import ModelSpec
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -34,7 +34,7 @@ SYNTHETIC_CONTEXT = 64  # cached entries before the new tokens of a synthetic pa
 # of its own: it pads every sequence of a pass to the longest, and a padded query row costs about
 # as much as a real one, while a pass's extra read of the weights is small beside a chunk's compute.
 _LONG_QUERY = 16
-# Rows of logits the lm_head computes for about the price of one (engine/layers/onednn_linear.py):
+# Rows of logits the lm_head computes for about the price of one (engine/layers/cpu_linear.py):
 # a verify pass whose sampled rows and draft nodes are no more computes all their logits at once.
 FREE_LOGITS_ROWS = 8
 
@@ -90,13 +90,14 @@ class ModelRunner:
         # flash-attn's varlen kernel when the flash backend serves this model, else None
         self.flash_kernel = load_flash_kernel() if backend == "flash" else None
         self.forward = self.model  # [T] ids, [T] positions, K/V, metadata -> [T, hidden]
-        self.blas_max_rows = 0  # passes of at most this many rows skip oneDNN (linear_kernels)
+        # how every CpuLinear of this engine runs, measured below (engine/linear_kernels.py)
+        self.linear_kernels = LinearKernels()
         if config.enable_torch_compile:  # inductor freezes the weights into its graphs
             self.forward = compile_model(self.model)
             warm_up(self)
         else:
-            use_onednn_linears(self.model)
-            self.blas_max_rows = choose_blas_rows(self)
+            use_cpu_linears(self.model, self.linear_kernels)
+            choose_linear_kernels(self, self.linear_kernels)
 
     def _num_kv_blocks(self, layers: list[LayerShape]) -> int:
         if self.config.num_kv_blocks is not None:

@@ -6,10 +6,11 @@ kernel instead. Which is faster depends on the CPU: on an AVX2 machine "NT" slow
 rows on and "NN" was 1.5-2.5x faster per layer; on an AVX-512 one, whole passes of the default
 model cost about the same either way from 4 rows on, and one row is slightly faster column-major.
 The engine stores its CPU weights this way. Only the memory layout changes: every value, and so
-every result, stays the same. The eager engine runs its fp32 CPU linears through oneDNN instead
-(engine/layers/onednn_linear.py), faster from a few rows on, and on this layout for passes of
-fewer rows where BLAS measures faster at start-up (engine/linear_kernels.py); this layout also
-serves a compiled model, and the linears oneDNN cannot run. benchmarks/bench_weight_layout.py
+every result, stays the same. The eager engine runs its fp32 CPU linears on a second copy laid out
+for oneDNN or MKL's packed GEMM instead (engine/layers/cpu_linear.py), faster from a few rows on,
+and on this layout for passes of fewer rows where BLAS measures faster at start-up
+(engine/linear_kernels.py); this layout also serves a compiled model, and the linears those
+kernels cannot run. benchmarks/bench_weight_layout.py
 measures whole passes with each format.
 """
 

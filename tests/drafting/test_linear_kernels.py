@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from engine import linear_kernels
-from engine.layers.onednn_linear import OneDnnLinear, onednn_linears
+from engine.layers.cpu_linear import (
+    MKL_PACKED,
+    ONEDNN,
+    CpuLinear,
+    LinearKernels,
+    cpu_linears,
+    formats_available,
+)
 from tests.drafting.test_speculative_generation import (
     assert_same_or_near_tie,
     generate,
@@ -22,31 +29,41 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def blas_faster_up_to(rows_limit: int):
-    """Timings where BLAS takes half the time of oneDNN up to `rows_limit` rows, more above."""
+def timings(rows_limit: int, mkl_share: float):
+    """Pass timings where BLAS takes half the time of the packed copy up to `rows_limit` rows and
+    more above, and MKL-packed takes `mkl_share` of oneDNN's time."""
 
-    def fastest_passes(runner, rows: int) -> tuple[float, float]:
-        return (0.5, 1.0) if rows <= rows_limit else (1.0, 0.9)
+    def fastest_passes(runner, kernels, candidates, rows: int) -> list[float]:
+        if candidates[0].blas_max_rows:  # BLAS against the chosen format
+            return [0.5, 1.0] if rows <= rows_limit else [1.0, 0.9]
+        return [mkl_share if c.packed_format == MKL_PACKED else 1.0 for c in candidates]
 
     return fastest_passes
 
 
 def test_a_small_model_is_not_timed_and_keeps_onednn(bigram_target, monkeypatch):
-    def never(runner, rows):
+    def never(*args):
         raise AssertionError("a model that fits in cache was timed")
 
     monkeypatch.setattr(linear_kernels, "_fastest_passes", never)
     llm_runner = generate(bigram_target, None, [[5, 6, 7]])[0].engine.runner
-    assert llm_runner.blas_max_rows == 0
-    assert all(layer.blas_max_rows == 0 for layer in onednn_linears(llm_runner.model))
+    assert llm_runner.linear_kernels == LinearKernels(ONEDNN, blas_max_rows=0)
+    layers = cpu_linears(llm_runner.model)
+    assert all(layer.kernels is llm_runner.linear_kernels for layer in layers)
+    assert all(list(layer.copies) == [ONEDNN] for layer in layers)
 
 
-@pytest.mark.parametrize("rows_limit", [0, 2, 8])
+CHOICES = [(0, 1.0), (2, 0.5), (8, 0.97)]  # (rows BLAS wins up to, MKL-packed's share of oneDNN)
+
+
+@pytest.mark.parametrize("rows_limit,mkl_share", CHOICES)
 def test_the_measured_choice_reaches_every_linear_and_speculation_stays_exact(
-    bigram_target, trained_head, monkeypatch, rows_limit, tmp_path
+    bigram_target, trained_head, monkeypatch, rows_limit, mkl_share, tmp_path
 ):
     monkeypatch.setattr(linear_kernels, "_MIN_WEIGHT_BYTES", 0)
-    monkeypatch.setattr(linear_kernels, "_fastest_passes", blas_faster_up_to(rows_limit))
+    monkeypatch.setattr(linear_kernels, "_fastest_passes", timings(rows_limit, mkl_share))
+    has_mkl = MKL_PACKED in formats_available()
+    expected_format = MKL_PACKED if has_mkl and mkl_share < linear_kernels._MARGIN else ONEDNN
     # a reduced draft vocabulary, so that the draft lm_head is a linear of its own
     head = shutil.copytree(trained_head, tmp_path / "head")
     (head / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(3, 256, 2))}))
@@ -55,12 +72,13 @@ def test_the_measured_choice_reaches_every_linear_and_speculation_stays_exact(
     llm, speculative = generate(bigram_target, head, prompts, num_kv_blocks=1024)
 
     engine = llm.engine
-    assert engine.runner.blas_max_rows == rows_limit
-    head_linears = onednn_linears(engine.drafter.head)
-    assert head_linears and isinstance(engine.drafter.draft_lm_head, OneDnnLinear)
-    linears = [*onednn_linears(engine.runner.model), *head_linears, engine.drafter.draft_lm_head]
-    for layer in linears:
-        assert layer.blas_max_rows == rows_limit
+    kernels = engine.runner.linear_kernels
+    assert kernels == LinearKernels(expected_format, rows_limit)
+    head_linears = cpu_linears(engine.drafter.head)
+    assert head_linears and isinstance(engine.drafter.draft_lm_head, CpuLinear)
+    linears = [*cpu_linears(engine.runner.model), *head_linears, engine.drafter.draft_lm_head]
+    for layer in linears:  # one shared choice, and only the chosen copy kept
+        assert layer.kernels is kernels and list(layer.copies) == [expected_format]
     for prompt, a, b in zip(prompts, plain, speculative):
         assert_same_or_near_tie(
             bigram_target, prompt, a.outputs[0].token_ids, b.outputs[0].token_ids

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.onednn_linear import OneDnnLinear
+from engine.layers.cpu_linear import CpuLinear
 from engine.layers.weight_layout import use_column_major_weights
 from tests.engine.helpers import tiny_engine
 
 
 def test_the_loaded_model_is_column_major_and_keeps_its_ties(generation_model):
     model = tiny_engine(generation_model).runner.model
-    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, OneDnnLinear))]
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, CpuLinear))]
     assert linears and all(m.weight.t().is_contiguous() for m in linears)
     if model.spec.tie_word_embeddings:
         assert model.lm_head.weight is model.embed_tokens.weight
