@@ -37,10 +37,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     draft: str | None = None  # EAGLE-1/2 head folder; None: plain autoregressive decoding
     # The tree's defaults were chosen by benchmarks/bench_tree_sweep.py on this project's 2-core CPU
-    # machine (benchmarks/results/tree_sweep*.json): verifying extra tokens and running the head
-    # are dear on a CPU, so small trees win there. GPUs want larger ones (the paper: 10, 6, 60).
-    draft_top_k: int = 2  # children scored per expanded node
-    draft_depth: int = 3  # draft layers (head passes per step)
+    # machine (benchmarks/results/tree_sweep_xeon.json): verifying extra tokens and running the
+    # head are dear on a CPU, so small, shallow trees win there. GPUs want larger ones (the paper:
+    # 10, 6, 60).
+    draft_top_k: int = 4  # children scored per expanded node
+    draft_depth: int = 2  # draft layers (head passes per step)
     draft_total_tokens: int = 4  # tree nodes verified per sequence at most, the root included
     # Each step verifies only the draft nodes worth their verify cost, across the batch, and
     # skips drafting when plain decoding is faster (engine/draft_budget.py). False: every tree is
