@@ -3,9 +3,11 @@
 For each head and tree shape (top_k, depth, total_tokens), the first turns of the first
 ``--num-prompts`` MT-bench questions decode ``--max-tokens`` tokens in one batch, and the mean
 acceptance length (tokens per target pass, bonus included) is recorded. Speed is not measured.
-Writes ``acceptance.json`` to ``--out-dir``. From the repository root:
+Writes ``acceptance.json`` (``acceptance_TAG.json`` with ``--tag``) to ``--out-dir``. From the
+repository root:
 
     .venv/bin/python benchmarks/bench_acceptance.py auto runs/smollm2-head-d2t
+    .venv/bin/python benchmarks/bench_acceptance.py auto --shapes 4,2,4 --tag default-tree
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from engine.shipped_heads import resolve_draft
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
-SHAPES = ((2, 3, 4), (4, 5, 16), (8, 6, 32))
+SHAPES = "2,3,4;4,5,16;8,6,32"  # top_k,depth,total_tokens per shape
 
 
 def main() -> None:
@@ -28,13 +30,16 @@ def main() -> None:
     parser.add_argument("heads", nargs="+", help="head folders ('auto': the shipped head)")
     parser.add_argument("--num-prompts", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--shapes", default=SHAPES, help="top_k,depth,total_tokens;... to measure")
+    parser.add_argument("--tag", default="", help="write acceptance_TAG.json")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
+    shapes = [tuple(int(v) for v in shape.split(",")) for shape in args.shapes.split(";")]
     results = []
     for head in args.heads:
-        for top_k, depth, total in SHAPES:
+        for top_k, depth, total in shapes:
             llm = LLM(
                 MODEL,
                 draft=resolve_draft(MODEL, head),
@@ -55,7 +60,8 @@ def main() -> None:
             print(results[-1], flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"model": MODEL, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens}
-    (args.out_dir / "acceptance.json").write_text(
+    name = f"acceptance_{args.tag}.json" if args.tag else "acceptance.json"
+    (args.out_dir / name).write_text(
         json.dumps({"settings": settings, "results": results}, indent=2) + "\n"
     )
 

@@ -58,29 +58,33 @@ def choose_linear_kernels(runner, kernels: LinearKernels) -> None:
 
 
 def _choose_format(runner, kernels: LinearKernels, formats: tuple[str, ...]) -> str:
+    """Set `kernels.packed_format` to the fastest of `formats` (oneDNN unless another is clearly
+    faster), with BLAS serving no pass; return the timings, for the log."""
     kernels.blas_max_rows = 0
+    if formats == (ONEDNN,):
+        kernels.packed_format = ONEDNN
+        return "oneDNN the only format"
     candidates = [LinearKernels(packed_format=f) for f in formats]
     for layer in cpu_linears(runner.model):
         for packed_format in formats:
             layer.lay_out(packed_format)
     per_size = [_fastest_passes(runner, kernels, candidates, rows) for rows in _FORMAT_ROWS]
-    ratios = {  # format -> its mean time relative to oneDNN's
+    ratios = {  # format -> its mean time relative to oneDNN's (the first)
         c.packed_format: statistics.fmean(s[i] / s[0] for s in per_size)
         for i, c in enumerate(candidates)
     }
     best = min(ratios, key=ratios.get)
     kernels.packed_format = best if ratios[best] < _MARGIN else ONEDNN
-    return (
-        "formats: "
-        + ", ".join(
-            f"{rows} rows " + "/".join(f"{1000 * t:.1f}" for t in times) + " ms"
-            for rows, times in zip(_FORMAT_ROWS, per_size)
-        )
-        + f" ({'/'.join(formats)})"
+    times = ", ".join(
+        f"{rows} rows " + "/".join(f"{1000 * t:.1f}" for t in seconds) + " ms"
+        for rows, seconds in zip(_FORMAT_ROWS, per_size)
     )
+    return f"{'/'.join(formats)}: {times}"
 
 
 def _choose_blas_rows(runner, kernels: LinearKernels) -> str:
+    """Set `kernels.blas_max_rows` to the most rows at which BLAS, and at every smaller size, beat
+    the chosen format; return the timings, for the log."""
     packed_format, timings = kernels.packed_format, []
     chosen = 0
     for rows in _BLAS_ROWS:
