@@ -41,7 +41,8 @@ SHAPES = {  # name: (tokens in the pass, tokens per sequence) for each N
 
 def weight_formats(model: nn.Module, kernels: LinearKernels) -> dict[str, tuple[dict, str]]:
     """Per format, the module to set at each (parent, attribute) of the model's CPU linears, and
-    the packed format their shared `kernels` name (the engine's own modules run that one)."""
+    the packed format their shared `kernels` name (only the engine's own modules read it; the
+    plain nn.Linears of the BLAS formats ignore it)."""
     slots = [
         (parent, name, child)
         for parent in model.modules()

@@ -4,7 +4,9 @@ A decode step multiplies a few rows (one token, a verify pass over draft trees, 
 sequences each adding one token) by every weight of the model, so reading the weights should
 dominate and a few rows should cost about what one does. BLAS's `F.linear` on the plain weight
 falls short of that: MKL runs up to three rows as one GEMV each, at memory speed, and from four
-rows a GEMM that re-packs the weight on every call and takes about twice as long. Each CpuLinear
+rows a GEMM that re-packs the weight on every call (whole passes of the default model on an Intel
+Xeon, row-major weights: 41.1 ms for 3 tokens, 67.4 for 4; benchmarks/results/
+weight_layout_xeon.json). Each CpuLinear
 therefore keeps a second copy of its weight, laid out once at load for a library kernel that
 reads it once for any number of rows, in one of two formats:
 
@@ -18,8 +20,9 @@ reads it once for any number of rows, in one of two formats:
   `torch.ops.mkl._mkl_reorder_linear_weight`, `cblas_sgemm_compute` per call through
   `torch.ops.mkl._mkl_linear`), which runs passes of up to `MKL_PACKED_MAX_ROWS` rows on the packed
   copy and larger ones on the plain weight. On an Intel Xeon with AVX-512 it is the faster one from
-  four rows on (the default model's linears: 35 ms for 4 rows and 41 for 8, against oneDNN's 45 and
-  53, and BLAS's GEMV 29 for one row; benchmarks/bench_weight_layout.py).
+  two rows on (whole passes of the default model: 44.4 ms for 4 tokens and 64.7 for 16 sequences,
+  against oneDNN's 52.7 and 76.9, and BLAS's GEMV on the column-major weight 36.3 for one token;
+  benchmarks/results/weight_layout_xeon.json).
 
 Passes of at most `blas_max_rows` rows run BLAS's GEMV on the plain weight instead, which on the
 Xeon is the fastest for one row. Which format, and how many rows BLAS serves, depend on the machine,
@@ -44,9 +47,8 @@ from torch import nn
 from engine.layers.direct_call import DirectCallModule
 
 ONEDNN, MKL_PACKED = "oneDNN", "MKL-packed"
-MKL_PACKED_MAX_ROWS = (
-    16  # the packed copy is laid out for, and serves, passes of up to this many rows
-)
+# the packed copy is laid out for, and serves, passes of up to this many rows
+MKL_PACKED_MAX_ROWS = 16
 
 
 def can_use_cpu_linear(weight: torch.Tensor) -> bool:
@@ -106,19 +108,17 @@ class CpuLinear(DirectCallModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, x.shape[-1])  # [M, in]
         num_rows, packed_format = rows.shape[0], self.kernels.packed_format
-        if num_rows <= self.kernels.blas_max_rows:
+        mkl = packed_format == MKL_PACKED
+        if num_rows <= self.kernels.blas_max_rows or (mkl and num_rows > MKL_PACKED_MAX_ROWS):
             return F.linear(x, self.weight, self.bias)
-        if packed_format == ONEDNN:
-            out = torch.ops.mkldnn._linear_pointwise(
-                rows, self.copies[ONEDNN], self.bias, "none", [], ""
-            )  # [M, out]
-        elif num_rows <= MKL_PACKED_MAX_ROWS:
-            # the op runs the packed kernel when its last argument equals the number of rows
+        if mkl:  # the op runs the packed kernel when its last argument equals the number of rows
             out = torch.ops.mkl._mkl_linear(
                 rows, self.copies[MKL_PACKED], self.weight, self.bias, num_rows
             )  # [M, out]
         else:
-            return F.linear(x, self.weight, self.bias)
+            out = torch.ops.mkldnn._linear_pointwise(
+                rows, self.copies[ONEDNN], self.bias, "none", [], ""
+            )  # [M, out]
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
