@@ -49,6 +49,12 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_IN
 # The stage named by VARIANT (torch-cpu or torch-cuda), which hadolint cannot resolve.
 # hadolint ignore=DL3006
 FROM torch-${VARIANT} AS runtime
+# A C compiler: the engine builds its fused CPU kernels (engine/layers/cpu_kernels.c) for the
+# host's CPU at first start, into the cache volume; without one it runs PyTorch's kernels.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/aerie/src
 COPY pyproject.toml README.md ./
 COPY engine engine

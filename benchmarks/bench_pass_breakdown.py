@@ -5,6 +5,9 @@ budget's start-up measurement runs it) under each variant below, and the model's
 (the same calls at one row, nothing between them), so that the machine's drift hits all alike.
 Reports the median and the fastest of `--rounds` per variant:
 
+* the pass with the engine's fused CPU kernels (RMSNorm with the residual add, SiLU-and-mul,
+  rotary, K/V store and few-query attention in C: engine/layers/cpu_kernels.py), and without
+  them: PyTorch's kernels, as every variant below runs;
 * ablations, each leaving a piece out (the pass's output is then wrong; only its time counts):
   without the RMSNorms, without rotary, without attention (no K/V stored or read);
 * the formulations the engine used before, each alone and both together: rotate-half by slicing,
@@ -32,6 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.layers import attention, norm
+from engine.layers.cpu_kernels import use_cpu_kernels
 from engine.layers.cpu_linear import cpu_linears
 from engine.layers.direct_call import DirectCallModule
 from engine.layers.rotary import RotaryEmbedding
@@ -76,7 +80,9 @@ PREVIOUS = {  # what each of the engine's earlier formulations patches back
     ],
     "nn.Module call path": [(DirectCallModule, "__call__", nn.Module.__call__)],
 }
+FUSED = "pass, fused CPU kernels"  # the only variant with engine/layers/cpu_kernels.c attached
 VARIANTS = {
+    FUSED: [],
     "pass": [],
     "without norms": [(norm.RMSNorm, "forward", lambda self, x: x)],
     "without rotary": [(attention, "apply_rotary", lambda x, cos, sin: x)],
@@ -86,7 +92,8 @@ VARIANTS = {
 }
 
 
-def timed_pass(runner, patches: list) -> float:
+def timed_pass(runner, name: str, patches: list) -> float:
+    use_cpu_kernels(runner.model, runner.cpu_kernels if name == FUSED else None)
     with ExitStack() as stack:
         for owner, name, value in patches:
             stack.enter_context(patched(owner, name, value))
@@ -122,7 +129,7 @@ def main() -> None:
     seconds: dict[str, list[float]] = {name: [] for name in [*VARIANTS, "linears alone"]}
     for round_ in tqdm(range(args.rounds + 1), desc="rounds"):  # the first only warms up
         for name, patches in VARIANTS.items():
-            elapsed = timed_pass(runner, patches)
+            elapsed = timed_pass(runner, name, patches)
             if round_:
                 seconds[name].append(elapsed)
         elapsed = linears()

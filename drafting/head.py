@@ -99,8 +99,9 @@ class EagleHead(nn.Module):
         target_embedding: nn.Embedding,
     ) -> torch.Tensor:  # [T, hidden] the predicted next features
         x = self._layer_input(input_ids, features, target_embedding)  # [T, hidden]
-        x = x + self.self_attn(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, meta)
+        h, x = self.post_attention_layernorm.add_and_norm(attended, x)  # [T, hidden] each
+        return x + self.mlp(h)
 
     def store_kv(
         self,

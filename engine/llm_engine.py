@@ -23,6 +23,7 @@ from engine.draft_budget import DraftBudget, StepOutcome, expected_tokens
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, AutoregressiveDrafter, Drafter
 from engine.errors import InvalidRequestError
+from engine.layers.cpu_kernels import use_cpu_kernels
 from engine.layers.cpu_linear import use_cpu_linears
 from engine.model_files import load_config, load_state_dict, load_tokenizer, resolve_model_path
 from engine.model_runner import ForwardOutput, ModelRunner
@@ -71,6 +72,7 @@ class LLMEngine:
         )
         if head:  # the head's passes are as few rows as the target's, and choose as they do
             use_cpu_linears(head, self.runner.linear_kernels)
+            use_cpu_kernels(head, self.runner.cpu_kernels)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

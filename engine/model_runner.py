@@ -12,6 +12,12 @@ from engine.compilation import compile_model, warm_up
 from engine.config import EngineConfig
 from engine.draft_tree import DraftTree
 from engine.kv_cache import KVCache, LayerShape
+from engine.layers.cpu_kernels import (
+    CpuKernels,
+    can_use_cpu_kernels,
+    load_cpu_kernels,
+    use_cpu_kernels,
+)
 from engine.layers.cpu_linear import LinearKernels, use_cpu_linears
 from engine.layers.flash_attention import (
     build_flash_attention_metadata,
@@ -92,10 +98,15 @@ class ModelRunner:
         self.forward = self.model  # [T] ids, [T] positions, K/V, metadata -> [T, hidden]
         # how every CpuLinear of this engine runs, measured below (engine/linear_kernels.py)
         self.linear_kernels = LinearKernels()
+        # the fused CPU kernels every layer of this engine calls (the head's too), or None
+        self.cpu_kernels: CpuKernels | None = None
         if config.enable_torch_compile:  # inductor freezes the weights into its graphs
             self.forward = compile_model(self.model)
             warm_up(self)
         else:
+            if config.fused_cpu_kernels and can_use_cpu_kernels(self.model):
+                self.cpu_kernels = load_cpu_kernels()
+                use_cpu_kernels(self.model, self.cpu_kernels)
             use_cpu_linears(self.model, self.linear_kernels)
             choose_linear_kernels(self, self.linear_kernels)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.cpu_kernels import CpuKernels
 from engine.layers.direct_call import DirectCallModule
 from engine.layers.flash_attention import FlashAttentionMetadata, flash_paged_attention
 from engine.layers.norm import RMSNorm
@@ -31,6 +32,7 @@ class Attention(DirectCallModule):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels
 
     def forward(
         self,
@@ -42,6 +44,8 @@ class Attention(DirectCallModule):
         q, k, v = self._project(x, cos_sin)
         if isinstance(meta, FlashAttentionMetadata):
             out = flash_paged_attention(q, k, v, *kv_cache, meta, self.scale)  # [T, H * D]
+        elif self.cpu_kernels is not None:
+            out = self.cpu_kernels.paged_attention(q, k, v, *kv_cache, meta, self.scale)
         else:
             out = paged_attention(q, k, v, *kv_cache, meta, self.scale)  # [T, H * D]
         return self.o_proj(out)
@@ -56,7 +60,10 @@ class Attention(DirectCallModule):
         """Write the K/V of `x`'s tokens to the cache without attending: for tokens whose
         output no one reads, only later tokens' attention to them."""
         _, k, v = self._project(x, cos_sin)
-        store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        if self.cpu_kernels is not None:
+            self.cpu_kernels.store_kv(k, v, *kv_cache, slot_mapping)
+        else:
+            store_kv(k, v, *kv_cache, slot_mapping)
 
     def _project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
         """q [T, H, D], k [T, KV, D] (normed and rotated) and v [T, KV, D] of `x` [T, hidden]."""
@@ -67,6 +74,9 @@ class Attention(DirectCallModule):
         v = qkv[:, split:].view(num_tokens, num_kv_heads, self.head_dim)  # [T, KV, D]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])), dim=1)
-        qk = apply_rotary(qk, *cos_sin)  # [T, H + KV, D]: q and k rotated in one pass
+        if self.cpu_kernels is not None:  # in place: qk is this pass's own buffer
+            self.cpu_kernels.rotary_(qk, *cos_sin)
+        else:
+            qk = apply_rotary(qk, *cos_sin)  # [T, H + KV, D]: q and k rotated in one pass
         q, k = qk.split([num_heads, num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
         return q, k, v

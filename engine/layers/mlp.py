@@ -1,9 +1,12 @@
 """The gated (SwiGLU) MLP, with gate and up projections fused into one matmul."""
 
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.cpu_kernels import CpuKernels
 from engine.layers.direct_call import DirectCallModule
 
 
@@ -13,7 +16,11 @@ class GatedMLP(DirectCallModule):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # 2 x [T, inter]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter]
+        if self.cpu_kernels is not None:
+            return self.down_proj(self.cpu_kernels.silu_and_mul(gate_up.contiguous()))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # 2 x [T, inter]
         return self.down_proj(F.silu(gate) * up)

@@ -45,6 +45,11 @@ class AttentionGroup:
     # sequence brings Q tokens, so the queries are a view of the step's tokens
     query_index: torch.Tensor | None
     output_index: torch.Tensor | None  # [T_g] row of each real query in the [B * Q] output
+    # on the CPU, for the fused kernels (engine/layers/cpu_kernels.py): sequence b's queries are
+    # the step's tokens first_token[b] + i for i < num_new[b]; `tokens` lists them all
+    first_token: torch.Tensor  # [B] int64
+    num_new: torch.Tensor  # [B] int64
+    tokens: torch.Tensor  # [T_g] int64, sequence by sequence
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,9 @@ def _group(
         mask=mask.unsqueeze(1).to(device),
         query_index=None if query_index is None else query_index.to(device),
         output_index=None if output_index is None else output_index.to(device),
+        first_token=first_token,
+        num_new=num_new,
+        tokens=(first_token[:, None] + torch.arange(num_queries))[valid_query],
     )
 
 
@@ -248,12 +256,12 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, H * D]
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    outputs = [_group_attention(q, k, k_cache, v_cache, group, scale) for group in meta.groups]
+    outputs = [group_attention(q, k, k_cache, v_cache, group, scale) for group in meta.groups]
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, H * D] group by group
     return out if meta.token_order is None else out[meta.token_order]
 
 
-def _group_attention(
+def group_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KV, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]

@@ -37,9 +37,19 @@ class DecoderLayer(DirectCallModule):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
 
-    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)  # [T, hidden]
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x, residual, cos_sin, kv_cache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden]: the previous layer's MLP output, not yet added to the residual stream
+        (residual [T, hidden]; None at the first layer, whose x is the embedding). Returns this
+        layer's MLP output and the stream before it, so that each add fuses with the next norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        attended = self.self_attn(h, cos_sin, kv_cache, meta)  # [T, hidden]
+        h, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -86,9 +96,10 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv_cache, meta)
+        return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         return self.lm_head(hidden).float()
