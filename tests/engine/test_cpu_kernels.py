@@ -109,7 +109,7 @@ def test_paged_attention_matches_sdpa_with_tree_masks_and_gqa(
     torch.testing.assert_close(v_cache, theirs_v, rtol=0, atol=0)
 
 
-def test_greedy_text_is_the_same_with_and_without_the_kernels(generation_model):
+def test_greedy_text_is_the_same_with_and_without_the_kernels(kernels, generation_model):
     prompts = [[FIRST_TEXT_TOKEN + i for i in range(n)] for n in (3, 11, 30)]
     fused, plain = (tiny_llm(generation_model, fused_cpu_kernels=on) for on in (True, False))
     assert fused.engine.runner.cpu_kernels is not None
