@@ -6,7 +6,7 @@ budget's start-up measurement runs it) under each variant below, and the model's
 Reports the median and the fastest of `--rounds` per variant:
 
 * the pass with the engine's fused CPU kernels (RMSNorm with the residual add, SiLU-and-mul,
-  rotary, K/V store and few-query attention in C: engine/layers/cpu_kernels.py), and without
+  rotary, K/V store and decode attention in C: engine/layers/cpu_kernels.py), and without
   them: PyTorch's kernels, as every variant below runs;
 * ablations, each leaving a piece out (the pass's output is then wrong; only its time counts):
   without the RMSNorms, without rotary, without attention (no K/V stored or read);
@@ -92,8 +92,8 @@ VARIANTS = {
 }
 
 
-def timed_pass(runner, name: str, patches: list) -> float:
-    use_cpu_kernels(runner.model, runner.cpu_kernels if name == FUSED else None)
+def timed_pass(runner, variant: str, patches: list) -> float:
+    use_cpu_kernels(runner.model, runner.cpu_kernels if variant == FUSED else None)
     with ExitStack() as stack:
         for owner, name, value in patches:
             stack.enter_context(patched(owner, name, value))

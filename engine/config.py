@@ -32,8 +32,9 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
     # torch.compile the target model (engine/compilation.py): faster steps, minutes of start-up
     enable_torch_compile: bool = False
-    # fp32 on CPU: RMSNorm, residual adds, SiLU-and-mul and rotary through the fused C kernels of
-    # engine/layers/cpu_kernels.py (built once with the machine's C compiler); False: PyTorch's
+    # fp32 on CPU: RMSNorm with the residual add, SiLU-and-mul, rotary, the K/V store and decode
+    # attention through the fused C kernels of engine/layers/cpu_kernels.py (built once with the
+    # machine's C compiler); False: PyTorch's
     fused_cpu_kernels: bool = True
     # "auto": flash-attn on CUDA in fp16/bf16 when it is installed, else torch's SDPA;
     # "torch" always SDPA; "flash" insists on flash-attn (engine/layers/flash_attention.py)

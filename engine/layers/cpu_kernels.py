@@ -38,9 +38,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 # Attention groups whose sequences bring at most this many queries run the fused kernel: decodes.
-# Groups of more (draft trees, prefill chunks) run SDPA, whose matmuls win from a few queries on:
-# for the default model's heads, one query over 300 entries took 0.5x SDPA's time, four (a draft
-# tree) 1.25x (16 sequences: 0.74x and 1.43x).
+# Groups of more (draft trees, prefill chunks) run SDPA, whose matmuls win from a few queries on
+# (an ad hoc timing for the default model's heads, in the closing note of the session that added
+# this: one query over 300 entries 0.5x SDPA's time, four, a draft tree, 1.25x).
 FUSED_MAX_QUERIES = 1
 MAX_ROWS = 1024  # a fused task's query rows at most (cpu_kernels.c)
 TILE = 64  # attention's entries per softmax rescale (cpu_kernels.c)
