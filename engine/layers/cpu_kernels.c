@@ -10,14 +10,14 @@
 
 #define LANES 8 /* independent partial sums: the compiler maps them onto one AVX2 register */
 
-static float dot(const float *a, const float *b, int64_t n) {
+static inline float dot(const float *a, const float *b, int64_t n) {
+    const int64_t whole = n - n % LANES;
     float partial[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
+    for (int64_t i = 0; i < whole; i += LANES)
         for (int lane = 0; lane < LANES; lane++) partial[lane] += a[i + lane] * b[i + lane];
     float sum = 0.0f;
     for (int lane = 0; lane < LANES; lane++) sum += partial[lane];
-    for (; i < n; i++) sum += a[i] * b[i];
+    for (int64_t i = whole; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
 
@@ -85,6 +85,91 @@ void store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
     }
 }
 
+#define TILE 64
+#define MAX_ROWS 1024 /* a task's rows: queries per sequence x query heads per K/V head */
+#define MAX_HEAD_DIM 256 /* heads larger than this run in PyTorch (cpu_kernels.py) */
+
+/* exp(x) for x in [EXP_FLOOR, 0], to about 1 ulp, in arithmetic the compiler vectorizes (libm's
+ * expf is a call per entry): x = n ln2 + f with |f| <= ln2 / 2, exp(f) = 1 + f + f^2 P(f) with
+ * Cephes' minimax P of degree 5, times 2^n built from n's bits. */
+#define EXP_FLOOR -87.0f /* float's normal range ends near exp(-87.3) */
+static inline float exp_in_range(float x) {
+    const int32_t whole = (int32_t)(x * 1.44269504f - 0.5f); /* round to nearest, as x <= 0 */
+    const float n = (float)whole;
+    const float f = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 in two parts */
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    const float exp_f = p * f * f + f + 1.0f;
+    const int32_t bits = (whole + 127) << 23;
+    float power;
+    __builtin_memcpy(&power, &bits, sizeof power);
+    return exp_f * power;
+}
+
+/* x[i] = exp(x[i] - top) for x[i] <= top, 0 below top + EXP_FLOOR (and for -INFINITY). Two loops,
+ * as GCC vectorizes neither a select before a float-to-int conversion nor one after it. */
+static void exp_shifted(float *x, int64_t n, float top) {
+    float keep[TILE];
+    for (int64_t i = 0; i < n; i++) {
+        const float shifted = x[i] - top;
+        keep[i] = shifted < EXP_FLOOR ? 0.0f : 1.0f;
+        x[i] = shifted < EXP_FLOOR ? EXP_FLOOR : shifted;
+    }
+    for (int64_t i = 0; i < n; i++) x[i] = exp_in_range(x[i]) * keep[i];
+}
+
+/* The largest and the sum of n floats, in LANES interleaved partials (fixed order, vectorized). */
+static float largest(const float *x, int64_t n) {
+    float partial[LANES];
+    for (int lane = 0; lane < LANES; lane++) partial[lane] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int lane = 0; lane < LANES; lane++)
+            partial[lane] = x[i + lane] > partial[lane] ? x[i + lane] : partial[lane];
+    float result = -INFINITY;
+    for (int lane = 0; lane < LANES; lane++) result = partial[lane] > result ? partial[lane] : result;
+    for (; i < n; i++) result = x[i] > result ? x[i] : result;
+    return result;
+}
+
+static float sum(const float *x, int64_t n) {
+    float partial[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int lane = 0; lane < LANES; lane++) partial[lane] += x[i + lane];
+    float result = 0.0f;
+    for (int lane = 0; lane < LANES; lane++) result += partial[lane];
+    for (; i < n; i++) result += x[i];
+    return result;
+}
+
+/* Softmax step for one row over one tile: p holds its scaled scores (-INFINITY where masked) and
+ * becomes the exp weights; the row's running top and total, and its accumulator, are rescaled
+ * when the top rises. */
+static void tile_softmax(float *p, int64_t width, float *top, float *total, float *acc,
+                         int64_t head_dim) {
+    const float tile_top = largest(p, width);
+    if (tile_top == -INFINITY) { /* nothing allowed in this tile */
+        for (int64_t e = 0; e < width; e++) p[e] = 0.0f;
+        return;
+    }
+    if (tile_top > *top) {
+        if (*top != -INFINITY) {
+            float shrink = *top;
+            exp_shifted(&shrink, 1, tile_top);
+            for (int64_t d = 0; d < head_dim; d++) acc[d] *= shrink;
+            *total *= shrink;
+        }
+        *top = tile_top;
+    }
+    exp_shifted(p, width, *top); /* masked entries: 0 */
+    *total += sum(p, width);
+}
+
 /* Attention of a few queries per sequence over its paged K/V, for one group of sequences
  * (engine/layers/paged_attention.py's AttentionGroup):
  *   q         [tokens, heads, head_dim], tokens `q_stride` floats apart
@@ -98,76 +183,90 @@ void store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
  * One task per (sequence, K/V head), on `threads` OpenMP threads (PyTorch's count): its rows are
  * the sequence's queries times the query heads sharing that K/V head, so each K and V row is read
  * once for all of them. Entries go by tiles, with the softmax's running maximum and sum rescaled
- * once per tile (flash attention's online softmax), in float32, in entry order. */
-#define TILE 64
-#define MAX_ROWS 1024 /* a task's rows: queries per sequence x query heads per K/V head */
+ * once per tile (flash attention's online softmax), in float32, in entry order. The task's code
+ * is compiled apart for head sizes 64 and 128, whose loops then unroll and whose accumulators stay
+ * in registers (a fifth of an attention's time each, in benchmarks/bench_decode_attention.py). */
+
+/* row += sum over the tile's entries of p[e] * value[e]: the weighted values of one row, summed in
+ * entry order in a local copy (registers, for a head size known at compile time). */
+static inline void weigh_values(const float *p, const float *const *value_row, int64_t width,
+                                int64_t head_dim, float *row) {
+    float local[MAX_HEAD_DIM];
+    for (int64_t d = 0; d < head_dim; d++) local[d] = row[d];
+    for (int64_t e = 0; e < width; e++) {
+        const float weight = p[e], *value = value_row[e];
+        if (weight == 0.0f) continue;
+        for (int64_t d = 0; d < head_dim; d++) local[d] += weight * value[d];
+    }
+    for (int64_t d = 0; d < head_dim; d++) row[d] = local[d];
+}
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int64_t *tables, *first_token, *num_new;
+    const uint8_t *mask;
+    int64_t q_stride, max_blocks, num_queries, block_size, heads, kv_heads;
+    float scale;
+    float *out, *scratch;
+} Attention;
+
+/* Sequence b's queries through the query heads that share K/V head g (see paged_attention). */
+static inline void attend(const Attention *a, int64_t b, int64_t g, int64_t head_dim) {
+    const int64_t entries = a->max_blocks * a->block_size, group = a->heads / a->kv_heads;
+    const int64_t slot_row = a->kv_heads * head_dim, rows = a->num_new[b] * group;
+    /* row r: query i = r / group of the sequence, through query head g * group + r % group */
+    const float *query[MAX_ROWS];
+    float *acc[MAX_ROWS];
+    const uint8_t *allowed[MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t token = a->first_token[b] + r / group, head = g * group + r % group;
+        query[r] = a->q + token * a->q_stride + head * head_dim;
+        acc[r] = a->out + (token * a->heads + head) * head_dim;
+        allowed[r] = a->mask + (b * a->num_queries + r / group) * entries;
+        for (int64_t d = 0; d < head_dim; d++) acc[r][d] = 0.0f;
+    }
+    float *task = a->scratch + (b * a->kv_heads + g) * group * a->num_queries * (TILE + 2);
+    float *probability = task, *top = task + rows * TILE, *total = top + rows;
+    for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY, total[r] = 0.0f;
+    const int64_t *table = a->tables + b * a->max_blocks;
+    const float *key_row[TILE], *value_row[TILE];
+    for (int64_t start = 0; start < entries; start += TILE) {
+        const int64_t width = entries - start < TILE ? entries - start : TILE;
+        int64_t block = start / a->block_size, offset = start % a->block_size;
+        for (int64_t e = 0; e < width; e++) {
+            const int64_t slot = table[block] * a->block_size + offset;
+            key_row[e] = a->k_cache + slot * slot_row + g * head_dim;
+            value_row[e] = a->v_cache + slot * slot_row + g * head_dim;
+            if (++offset == a->block_size) offset = 0, block++;
+        }
+        for (int64_t e = 0; e < width; e++)
+            for (int64_t r = 0; r < rows; r++)
+                probability[r * TILE + e] = dot(query[r], key_row[e], head_dim);
+        for (int64_t r = 0; r < rows; r++) {
+            float *p = probability + r * TILE;
+            const uint8_t *may = allowed[r] + start;
+            for (int64_t e = 0; e < width; e++) p[e] = may[e] ? p[e] * a->scale : -INFINITY;
+            tile_softmax(p, width, top + r, total + r, acc[r], head_dim);
+            weigh_values(p, value_row, width, head_dim, acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < head_dim; d++) acc[r][d] /= total[r];
+}
+
 void paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                      const int64_t *tables, int64_t max_blocks, const uint8_t *mask,
                      const int64_t *first_token, const int64_t *num_new, int64_t batch,
                      int64_t num_queries, int64_t block_size, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, float scale, float *out, float *scratch, int threads) {
-    const int64_t entries = max_blocks * block_size, group = heads / kv_heads;
-    const int64_t slot_row = kv_heads * head_dim;
+    const Attention a = {q, k_cache, v_cache, tables, first_token, num_new, mask, q_stride,
+                         max_blocks, num_queries, block_size, heads, kv_heads, scale, out, scratch};
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t g = 0; g < kv_heads; g++) {
-            /* row r: query i = r / group of the sequence, through query head g * group + r % group */
-            const int64_t rows = num_new[b] * group;
-            const float *query[MAX_ROWS];
-            float *acc[MAX_ROWS];
-            const uint8_t *allowed[MAX_ROWS];
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t token = first_token[b] + r / group, head = g * group + r % group;
-                query[r] = q + token * q_stride + head * head_dim;
-                acc[r] = out + (token * heads + head) * head_dim;
-                allowed[r] = mask + (b * num_queries + r / group) * entries;
-                for (int64_t d = 0; d < head_dim; d++) acc[r][d] = 0.0f;
-            }
-            float *task = scratch + (b * kv_heads + g) * group * num_queries * (TILE + 2);
-            float *probability = task, *top = task + rows * TILE, *total = top + rows;
-            for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY, total[r] = 0.0f;
-            const int64_t *table = tables + b * max_blocks;
-            const float *key_row[TILE], *value_row[TILE];
-            for (int64_t start = 0; start < entries; start += TILE) {
-                const int64_t width = entries - start < TILE ? entries - start : TILE;
-                int64_t block = start / block_size, offset = start % block_size;
-                for (int64_t e = 0; e < width; e++) {
-                    const int64_t slot = table[block] * block_size + offset;
-                    key_row[e] = k_cache + slot * slot_row + g * head_dim;
-                    value_row[e] = v_cache + slot * slot_row + g * head_dim;
-                    if (++offset == block_size) offset = 0, block++;
-                }
-                for (int64_t e = 0; e < width; e++)
-                    for (int64_t r = 0; r < rows; r++)
-                        probability[r * TILE + e] = allowed[r][start + e]
-                            ? dot(query[r], key_row[e], head_dim) * scale : -INFINITY;
-                for (int64_t r = 0; r < rows; r++) {
-                    float *p = probability + r * TILE, tile_top = -INFINITY;
-                    for (int64_t e = 0; e < width; e++) tile_top = p[e] > tile_top ? p[e] : tile_top;
-                    if (tile_top == -INFINITY) {  /* nothing allowed in this tile */
-                        for (int64_t e = 0; e < width; e++) p[e] = 0.0f;
-                        continue;
-                    }
-                    if (tile_top > top[r] && top[r] != -INFINITY) {
-                        const float shrink = expf(top[r] - tile_top);
-                        for (int64_t d = 0; d < head_dim; d++) acc[r][d] *= shrink;
-                        total[r] *= shrink;
-                    }
-                    if (tile_top > top[r]) top[r] = tile_top;
-                    for (int64_t e = 0; e < width; e++) {
-                        p[e] = p[e] == -INFINITY ? 0.0f : expf(p[e] - top[r]);
-                        total[r] += p[e];
-                    }
-                }
-                for (int64_t e = 0; e < width; e++)
-                    for (int64_t r = 0; r < rows; r++) {
-                        const float weight = probability[r * TILE + e];
-                        if (weight == 0.0f) continue;
-                        for (int64_t d = 0; d < head_dim; d++) acc[r][d] += weight * value_row[e][d];
-                    }
-            }
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t d = 0; d < head_dim; d++) acc[r][d] /= total[r];
+            if (head_dim == 64) attend(&a, b, g, 64);
+            else if (head_dim == 128) attend(&a, b, g, 128);
+            else attend(&a, b, g, head_dim);
         }
     }
 }

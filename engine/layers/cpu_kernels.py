@@ -37,12 +37,13 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
-# Attention groups whose sequences bring at most this many queries run the fused kernel: decodes.
-# Groups of more (draft trees, prefill chunks) run SDPA, whose matmuls win from a few queries on
-# (an ad hoc timing for the default model's heads, in the closing note of the session that added
-# this: one query over 300 entries 0.5x SDPA's time, four, a draft tree, 1.25x).
-FUSED_MAX_QUERIES = 1
+# Attention groups whose sequences bring at most this many queries run the fused kernel: decodes
+# and draft trees. Groups of more (prefill chunks) run SDPA, whose matmuls win from about 8 queries
+# on (benchmarks/results/decode_attention.json: at 8 queries the fused kernel takes 0.4-0.95x
+# SDPA's time, but for a lone sequence over 1,000 entries 1.1-1.25x; at 16 it loses more often).
+FUSED_MAX_QUERIES = 8
 MAX_ROWS = 1024  # a fused task's query rows at most (cpu_kernels.c)
+MAX_HEAD_DIM = 256  # a fused task's head size at most (cpu_kernels.c)
 TILE = 64  # attention's entries per softmax rescale (cpu_kernels.c)
 _POINTER, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -156,7 +157,8 @@ class CpuKernels:
         for group in meta.groups:
             batch, max_blocks = group.block_tables.shape
             num_queries = group.mask.shape[2]
-            if num_queries > fused_max_queries or num_queries * num_heads > MAX_ROWS * num_kv_heads:
+            too_big = num_queries * num_heads > MAX_ROWS * num_kv_heads or head_dim > MAX_HEAD_DIM
+            if num_queries > fused_max_queries or too_big:
                 out[group.tokens] = group_attention(q, k, k_cache, v_cache, group, scale)
                 continue
             scratch = torch.empty(batch * num_heads * num_queries, TILE + 2, dtype=torch.float32)

@@ -68,22 +68,24 @@ def test_rotary_rotates_q_and_k_in_place_inside_the_qkv_buffer(kernels):
     torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim :], values_before)
 
 
-def _attention_case(sliding_window: int | None):
+def _attention_case(sliding_window: int | None, head_dim: int):
     """A step of four sequences as an EAGLE engine lays one out: a decode, a short chunk, a draft
-    tree of 4 nodes (branching after the root) and a decode with a long context; K/V heads
-    shared by groups of three query heads, block size 4."""
+    tree of 4 nodes (branching after the root) and a decode, the last two over contexts of a few
+    of the kernel's tiles (64 entries), so its softmax rescales; K/V heads shared by groups of
+    three query heads, block size 4. The queries are scaled up so that scores spread widely."""
     torch.manual_seed(4)
-    block_size, heads, kv_heads, head_dim, num_blocks = 4, 6, 2, 16, 40
+    block_size, heads, kv_heads, num_blocks = 4, 6, 2, 100
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     sequences = [
         SequenceAttention([3, 7], num_cached=5, num_new=1),
         SequenceAttention([1, 2, 4], num_cached=4, num_new=3),
-        SequenceAttention([5, 6, 8, 9], num_cached=9, num_new=4, tree_mask=tree),
-        SequenceAttention(list(range(10, 20)), num_cached=36, num_new=1),
+        SequenceAttention(list(range(60, 95)), num_cached=130, num_new=4, tree_mask=tree),
+        SequenceAttention(list(range(10, 60)), num_cached=190, num_new=1),
     ]
     meta = build_attention_metadata(sequences, block_size, torch.device("cpu"), sliding_window)
     tokens = sum(s.num_new for s in sequences)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    qkv[:, : heads * head_dim] *= 3
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
@@ -92,18 +94,22 @@ def _attention_case(sliding_window: int | None):
 
 
 # fused_max_queries 1: the decode's group fused, the others through SDPA into the same output;
-# 4: every group fused, the draft tree's mask included
-@pytest.mark.parametrize("fused_max_queries", [FUSED_MAX_QUERIES, 4])
+# the engine's: every group fused, the draft tree's mask included. Head size 64 runs the kernel's
+# code compiled for it, 16 the general one.
+@pytest.mark.parametrize("fused_max_queries", [1, FUSED_MAX_QUERIES])
 @pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("head_dim", [16, 64])
 def test_paged_attention_matches_sdpa_with_tree_masks_and_gqa(
-    kernels, sliding_window, fused_max_queries
+    kernels, sliding_window, fused_max_queries, head_dim
 ):
-    q, k, v, (k_cache, v_cache), meta = _attention_case(sliding_window)
+    assert FUSED_MAX_QUERIES >= 4
+    q, k, v, (k_cache, v_cache), meta = _attention_case(sliding_window, head_dim)
     # two groups (1 query; 3-4 queries), whose outputs SDPA stacks out of token order
     assert len(meta.groups) == 2 and meta.token_order is not None
     theirs_k, theirs_v = k_cache.clone(), v_cache.clone()
-    expected = paged_attention(q, k, v, theirs_k, theirs_v, meta, scale=0.25)
-    ours = kernels.paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, fused_max_queries)
+    scale = head_dim**-0.5
+    expected = paged_attention(q, k, v, theirs_k, theirs_v, meta, scale)
+    ours = kernels.paged_attention(q, k, v, k_cache, v_cache, meta, scale, fused_max_queries)
     torch.testing.assert_close(ours, expected, **TOLERANCE)
     torch.testing.assert_close(k_cache, theirs_k, rtol=0, atol=0)  # the same K/V stored
     torch.testing.assert_close(v_cache, theirs_v, rtol=0, atol=0)
