@@ -173,13 +173,14 @@ def test_probes_stay_frequent_until_the_realized_rates_say_drafting_loses():
 
 
 def test_realized_rates_overrule_the_cost_model_both_ways():
-    cheap_and_good = DraftBudget(linear_cost(0.1, 0.001))
+    # probes aside: they would draft now and then whatever the verdict
+    cheap_and_good = DraftBudget(linear_cost(0.1, 0.001), probe_interval=1000)
     cheap_and_good.allocate(values(*[[0.9, 0.8, 0.7]] * 4), 4)
     cheap_and_good.observe_draft(4, 0.01)
     assert cheap_and_good.should_draft(4, 4)  # the model predicts drafting wins ...
     realize(cheap_and_good, 4, drafting_speedup=0.9)
     assert not any(cheap_and_good.should_draft(4, 4) for _ in range(15))  # ... it did not
-    dear_and_poor = DraftBudget(linear_cost(0.1, 0.001))
+    dear_and_poor = DraftBudget(linear_cost(0.1, 0.001), probe_interval=1000)
     dear_and_poor.allocate(values(*[[0.2, 0.1]] * 4), 4)
     dear_and_poor.observe_draft(4, 0.2)
     assert not dear_and_poor.should_draft(4, 4)  # the model predicts drafting loses ...
