@@ -25,7 +25,9 @@ whether the step drafts at all. What it goes by, first to last:
   steps both; once 4 plain steps and 16 drafting steps have been seen (at one sequence; from 4
   sequences up 4 drafting steps, as each averages over its sequences) and their rates stand two
   standard errors apart, the faster kind is chosen (a bucket that drafts takes a plain step
-  every 32 drafting decisions to keep its comparison fresh);
+  every 32 drafting decisions to keep its comparison fresh); while they stand closer than that,
+  the faster of the two by its recent rate (probes going on as before: only a clear loss backs
+  them off);
 - until then, the cost model's prediction of both rates for the step's batch, from the recent
   value curve (the mean calibrated value of each sequence's m-th best node, averaged over recent
   steps) and the drafting cost fitted against the number of sequences. That cost is measured on
@@ -135,6 +137,8 @@ class DraftBudget:
             self.probing = True
             return True
         wins = self.realized.drafting_wins(num_decoding)
+        if wins is None:  # too close to call, or too few steps seen
+            wins = self.realized.drafting_leads(num_decoding)
         if wins is None:
             wins = self._predicted_to_win(num_decoding, num_pass_tokens)
         return wins and not self.realized.plain_probe_due(num_decoding)

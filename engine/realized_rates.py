@@ -8,9 +8,10 @@ prediction that is a little optimistic there drafts on every step and loses to p
 (1, 2-3, 4-7, 8-15, ...), the tokens per sequence and seconds of its recent drafting steps and
 of its recent plain steps, whole steps both (the head, the pass, the acceptance and the commit).
 Once both have been seen often enough and differ by more than their noise, the realized rates
-decide, whatever the model predicts. "Often enough" is fewer steps for more sequences: a step's
-tokens per sequence average over all of them, so at 16 sequences four drafting steps say more
-than sixteen at one.
+decide, whatever the model predicts; while they are closer than that, the faster of the two by
+its recent rate is chosen, and the probes go on. "Often enough" is fewer steps for more
+sequences: a step's tokens per sequence average over all of them, so at 16 sequences four
+drafting steps say more than sixteen at one.
 
 A bucket that keeps drafting still needs a fresh plain step now and then to compare against: one
 every `plain_probe_interval` drafting decisions. (The other way round, the budget's own probes
@@ -69,6 +70,19 @@ class RealizedRates:
         drafted, plain = _rate(samples.drafted), _rate(samples.plain)
         error = math.hypot(_standard_error(samples.drafted), _standard_error(samples.plain))
         return None if abs(drafted - plain) <= _CONFIDENCE * error else drafted > plain
+
+    def drafting_leads(self, num_sequences: int) -> bool | None:
+        """Whether drafting steps have decoded faster than plain ones at this batch size, by the
+        rates alone, once both kinds have been seen often enough (None before): what the budget
+        goes by when the two are too close for `drafting_wins` to decide. Where they are that
+        close, drafting gains or loses little either way; what matters is not to keep drafting
+        on the cost model's word when the clock says plain steps are ahead (at 4 sequences the
+        model kept drafting at 0.93x plain decoding's speed, the rates a standard error or two
+        apart)."""
+        samples = self._bucket(num_sequences)
+        if not self._seen_enough(samples, num_sequences):
+            return None
+        return _rate(samples.drafted) > _rate(samples.plain)
 
     def plain_probe_due(self, num_sequences: int) -> bool:
         """Whether a step about to draft should decode plainly instead, to refresh the plain

@@ -170,23 +170,6 @@ static void tile_softmax(float *p, int64_t width, float *top, float *total, floa
     *total += sum(p, width);
 }
 
-/* Attention of a few queries per sequence over its paged K/V, for one group of sequences
- * (engine/layers/paged_attention.py's AttentionGroup):
- *   q         [tokens, heads, head_dim], tokens `q_stride` floats apart
- *   k_cache   [num_blocks, block_size, kv_heads, head_dim], v_cache alike
- *   tables    [batch, max_blocks] each sequence's blocks; entry e is slot e % block_size of
- *             block tables[e / block_size]
- *   mask      [batch, num_queries, max_blocks * block_size] nonzero where a query may attend
- *   first_token, num_new [batch]: sequence b's queries are tokens first_token[b] + i, i < num_new[b]
- *   out       [tokens, heads * head_dim]: each query's row, also the running sums
- *   scratch   [batch * heads * num_queries, TILE + 2]
- * One task per (sequence, K/V head), on `threads` OpenMP threads (PyTorch's count): its rows are
- * the sequence's queries times the query heads sharing that K/V head, so each K and V row is read
- * once for all of them. Entries go by tiles, with the softmax's running maximum and sum rescaled
- * once per tile (flash attention's online softmax), in float32, in entry order. The task's code
- * is compiled apart for head sizes 64 and 128, whose loops then unroll and whose accumulators stay
- * in registers (a fifth of an attention's time each, in benchmarks/bench_decode_attention.py). */
-
 /* row += sum over the tile's entries of p[e] * value[e]: the weighted values of one row, summed in
  * entry order in a local copy (registers, for a head size known at compile time). */
 static inline void weigh_values(const float *p, const float *const *value_row, int64_t width,
@@ -254,6 +237,22 @@ static inline void attend(const Attention *a, int64_t b, int64_t g, int64_t head
         for (int64_t d = 0; d < head_dim; d++) acc[r][d] /= total[r];
 }
 
+/* Attention of a few queries per sequence over its paged K/V, for one group of sequences
+ * (engine/layers/paged_attention.py's AttentionGroup):
+ *   q         [tokens, heads, head_dim], tokens `q_stride` floats apart
+ *   k_cache   [num_blocks, block_size, kv_heads, head_dim], v_cache alike
+ *   tables    [batch, max_blocks] each sequence's blocks; entry e is slot e % block_size of
+ *             block tables[e / block_size]
+ *   mask      [batch, num_queries, max_blocks * block_size] nonzero where a query may attend
+ *   first_token, num_new [batch]: sequence b's queries are tokens first_token[b] + i, i < num_new[b]
+ *   out       [tokens, heads * head_dim]: each query's row, also the running sums
+ *   scratch   [batch * heads * num_queries, TILE + 2]
+ * One task per (sequence, K/V head), on `threads` OpenMP threads (PyTorch's count): its rows are
+ * the sequence's queries times the query heads sharing that K/V head, so each K and V row is read
+ * once for all of them. Entries go by tiles, with the softmax's running maximum and sum rescaled
+ * once per tile (flash attention's online softmax), in float32, in entry order. The task's code
+ * is compiled apart for head sizes 64 and 128, whose loops then unroll and whose accumulators stay
+ * in registers (each cut about a fifth of the kernel's time in an A/B timing of its variants). */
 void paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                      const int64_t *tables, int64_t max_blocks, const uint8_t *mask,
                      const int64_t *first_token, const int64_t *num_new, int64_t batch,

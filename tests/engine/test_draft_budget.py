@@ -188,6 +188,20 @@ def test_realized_rates_overrule_the_cost_model_both_ways():
     assert all(dear_and_poor.should_draft(4, 4) for _ in range(20))  # ... it won
 
 
+def test_realized_rates_too_close_to_call_still_outweigh_the_cost_model():
+    """Drafting steps 0.9x as fast as plain ones, but so uneven that the two rates stand within
+    two standard errors: the clock's lean, not the model's optimism, decides (probes aside)."""
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=1000)
+    budget.allocate(values(*[[0.9, 0.8, 0.7]] * 4), 4)
+    budget.observe_draft(4, 0.01)
+    assert budget.should_draft(4, 4)  # the model predicts drafting wins
+    for tokens_per_sequence in [0.5, 1.3] * 8:  # mean 0.9 a step, plain steps 1.0
+        budget.realized.record(False, 4, 4, 0.1)
+        budget.realized.record(True, 4, 4 * tokens_per_sequence, 0.1)
+    assert budget.realized.drafting_wins(4) is None  # too close for a verdict ...
+    assert not any(budget.should_draft(4, 4) for _ in range(20))  # ... but plain is ahead
+
+
 def test_each_batch_size_bucket_goes_by_its_own_realized_rates():
     budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=1000)
     budget.allocate(values([0.5, 0.5]), 1)
