@@ -13,6 +13,7 @@ sit at root + (d - 1) * k + r. It is draft-only: the next catch-up overwrites it
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,10 @@ from engine.models.decoder import DecoderModel
 from engine.outputs import TokenLogprob
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
+
+# A sequence's rows before its newest, up to this many, run in the newest row's full head pass
+# instead of a K/V-only pass of their own (a drafting step brings its accepted tokens: 0 to depth).
+_FOLDED_ROWS = 8
 
 
 @dataclass
@@ -69,6 +74,10 @@ class _HeadRows:
         self.positions += range(start, end)
         self.features.append(features)
         self.attention.append(SequenceAttention(seq.block_table, start, end - start))
+
+    def last_rows(self) -> list[int]:
+        """The pass row of each sequence's last position."""
+        return list(itertools.accumulate(a.num_new for a in self.attention))
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,10 @@ class EagleDrafter:
     def _catch_up(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
         """Run the head over each sequence's pending rows; return the last row's output [hidden]
         per sequence whose rows reached its newest token (it can draft from there). No other
-        row's output is read, so those rows only store their K/V (`EagleHead.store_kv`)."""
+        row's output is read, so those rows only store their K/V (`EagleHead.store_kv`), but for
+        a few before the newest (a drafting step's accepted tokens): they join the newest row's
+        pass, which costs what a pass of one row does, rather than read fc's and qkv's weights
+        for a second pass of their own."""
         stored, newest = _HeadRows(), _HeadRows()
         for seq in seqs:
             start = seq.num_head_computed_tokens
@@ -133,6 +145,8 @@ class EagleDrafter:
                 continue
             features = seq.pending_features[: end - start]  # [end - start, hidden]
             last = end - 1 if end == seq.num_tokens - 1 else end  # the newest token's row, if here
+            if last < end and last - start <= _FOLDED_ROWS:
+                last = start  # all of them in the full pass
             stored.add(seq, start, last, features[: last - start])
             newest.add(seq, last, end, features[last - start :])
             seq.pending_features = seq.pending_features[end - start :]
@@ -150,8 +164,8 @@ class EagleDrafter:
             return {}
         hidden = self._run_head(
             newest.ids, torch.cat(newest.features), newest.positions, newest.attention
-        )  # [B, hidden]
-        return dict(zip(newest.seq_ids, hidden))
+        )  # [T, hidden]
+        return dict(zip(newest.seq_ids, hidden[[row - 1 for row in newest.last_rows()]]))
 
     def _grow(
         self, items: list[ScheduledSequence], root_features: torch.Tensor, num_pass_tokens: int
