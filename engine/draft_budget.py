@@ -38,10 +38,11 @@ whether the step drafts at all. What it goes by, first to last:
 The model alone was right on average but not at every batch size, and a small error decided every
 step: optimistic at 4 sequences, it drafted on 158 of 190 steps at 0.83x plain decoding's speed;
 pessimistic after a few early probes at 1, it backed its probes off and never drafted again.
-Probes stay `probe_interval` apart until the realized rates show drafting losing at the batch
-size; then they back off so that they cost at most 1% of decoding time (what a drafting step
-has recently taken beyond a plain one there, its drafting, larger pass and acceptance walk, over
-1% of a plain step; at least `probe_interval` and at most 256 steps). On plain steps the head
+Probes stay `probe_interval` apart until the realized rates show drafting behind at the batch
+size. Behind within the noise, they come 4 times as far apart; clearly behind, they back off so
+that they cost at most 1% of decoding time (what a drafting step has recently taken beyond a
+plain one there, its drafting, larger pass and acceptance walk, over 1% of a plain step; at
+least `probe_interval` and at most 256 steps). On plain steps the head
 catches up on the decoding sequences' new tokens only every 32nd step, in one batch, so that a
 mostly plain engine costs next to nothing over plain decoding.
 
@@ -66,6 +67,7 @@ _DECAY = 0.95  # weight of the past in the running estimates, per observation (t
 _MAX_SCALE = 4.0  # the start-up measurement is trusted to within this factor
 _MAX_PROBE_INTERVAL = 256  # plain steps
 _PROBE_SHARE = 0.01  # of decoding time, spent on probes whose drafts do not pay
+_TRAILING_PROBE_FACTOR = 4  # probes this many times further apart while drafting trails
 # Plain steps between the head's catch-ups: each costs a few milliseconds, mostly fixed overhead,
 # so rarer and larger ones cost less (every 8th step, they were two thirds of a plain step's
 # drafting overhead at batch 1).
@@ -172,13 +174,21 @@ class DraftBudget:
         )
         best = int(rate.argmax())  # the first maximum: ties go to fewer nodes
         counts = torch.bincount(order[:best] // width, minlength=batch)
-        if self.probing:  # back off once drafting is known to lose at this batch size
+        if self.probing:
             self.probing = False
-            loses = self.realized.drafting_wins(batch) is False
-            self.interval = (
-                self._probe_wait(batch, num_pass_tokens) if loses else self.probe_interval
-            )
+            self.interval = self._next_probe_interval(batch, num_pass_tokens)
         return counts.tolist()
+
+    def _next_probe_interval(self, num_sequences: int, num_pass_tokens: int) -> int:
+        """Plain steps until the next probe at this batch size: backed off all the way once
+        drafting is known to lose here, part of the way while it merely trails (within the
+        noise, probes every few steps would draft a fifth of the time at a loss), else
+        `probe_interval`."""
+        if self.realized.drafting_wins(num_sequences) is False:
+            return self._probe_wait(num_sequences, num_pass_tokens)
+        if self.realized.drafting_leads(num_sequences) is False:
+            return _TRAILING_PROBE_FACTOR * self.probe_interval
+        return self.probe_interval
 
     def _probe_wait(self, num_sequences: int, num_pass_tokens: int) -> int:
         """Plain steps between probes that do not pay, so that they cost `_PROBE_SHARE` of the

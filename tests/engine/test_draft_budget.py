@@ -202,6 +202,19 @@ def test_realized_rates_too_close_to_call_still_outweigh_the_cost_model():
     assert not any(budget.should_draft(4, 4) for _ in range(20))  # ... but plain is ahead
 
 
+def test_probes_come_four_times_as_far_apart_while_drafting_trails_within_the_noise():
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
+    for tokens_per_sequence in [0.5, 1.3] * 8:  # drafting at 0.9x, too uneven for a verdict
+        budget.realized.record(False, 4, 4, 0.1)
+        budget.realized.record(True, 4, 4 * tokens_per_sequence, 0.1)
+    assert budget.should_draft(4, 4)  # nothing known of the drafts yet: a probe
+    budget.allocate(values(*[[0.5, 0.4]] * 4), 4)
+    plain = 0
+    while not budget.should_draft(4, 4):
+        plain += 1
+    assert plain == 16
+
+
 def test_each_batch_size_bucket_goes_by_its_own_realized_rates():
     budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=1000)
     budget.allocate(values([0.5, 0.5]), 1)
