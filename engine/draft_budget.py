@@ -15,7 +15,12 @@ N = 0 is plain decoding. A child's value never exceeds its parent's, so each seq
 form a tree.
 
 Drafting costs time too, spent before the values are known. So before drafting, the budget decides
-whether the step drafts at all. What it goes by, first to last:
+whether the step drafts at all. A step that also computes prompt tokens (prefill chunks beside
+the decodes) drafts only where the realized rates say clearly that drafting wins at its batch
+size: such steps are left out of those rates (their time is mostly the prompt's), so a loss
+there would go unseen, and a probe there verifies trees beside the chunk in a pass no longer
+bound by reading weights (16 requests started at once: 13 probes, most in such steps, took 367
+ms of verify each against a plain step's 73). Otherwise, what it goes by, first to last:
 - a probe: after `probe_interval` plain steps it drafts anyway, so the estimates follow the traffic
   and the realized rates soon have the drafting steps they need for a verdict. (16 apart, at one
   sequence the cost model's early estimates, pessimistic from probes that paid for a plain
@@ -135,6 +140,8 @@ class DraftBudget:
         return drafts
 
     def _choose(self, num_decoding: int, num_pass_tokens: int) -> bool:
+        if num_pass_tokens > num_decoding:  # prompt tokens ride along (more than the roots)
+            return self.realized.drafting_wins(num_decoding) is True
         if self.value_curve is None or self.plain_steps >= self.interval:
             self.probing = True
             return True

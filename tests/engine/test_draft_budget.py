@@ -215,6 +215,20 @@ def test_probes_come_four_times_as_far_apart_while_drafting_trails_within_the_no
     assert plain == 16
 
 
+def test_steps_with_prompt_tokens_draft_only_on_a_clear_verdict():
+    """A prefill chunk beside 4 decodes: neither a due probe nor the model's optimism drafts
+    there, only realized rates that clearly favour drafting."""
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
+    assert not budget.should_draft(4, 4 + 64)  # no value curve yet: a probe, but not here
+    assert budget.should_draft(4, 4)  # the probe comes at the next decode-only step
+    budget.allocate(values(*[[0.9, 0.8, 0.7]] * 4), 4)
+    budget.observe_draft(4, 0.01)
+    assert budget.should_draft(4, 4)  # the model predicts drafting wins ...
+    assert not budget.should_draft(4, 4 + 64)  # ... not enough beside a chunk
+    realize(budget, 4, drafting_speedup=1.3)
+    assert budget.should_draft(4, 4 + 64)
+
+
 def test_each_batch_size_bucket_goes_by_its_own_realized_rates():
     budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=1000)
     budget.allocate(values([0.5, 0.5]), 1)
