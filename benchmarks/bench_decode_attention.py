@@ -9,7 +9,7 @@ chunks. Both paths store the new K/V and read the same cache: the fused one is
 hits both alike; the median of `--rounds` counts. Writes ``decode_attention.json`` and ``.png``
 to ``--out-dir``. From the repository root:
 
-    .venv/bin/python benchmarks/bench_decode_attention.py    # ~2 minutes
+    .venv/bin/python benchmarks/bench_decode_attention.py    # ~1 minute
 """
 
 from __future__ import annotations
