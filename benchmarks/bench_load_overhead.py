@@ -37,12 +37,17 @@ class EngineRun:
     def __init__(self, llm: LLM) -> None:
         self.llm, self.steps = llm, []  # (seconds, StepStats)
         self.stats: list[StepStats] = []
+        self.token_ids: dict[str, list[int]] = {}  # request id -> its output tokens
         llm.engine.stats_listeners[:] = [self.stats.append]
 
     def step(self) -> None:
         started = time.perf_counter()
-        self.llm.engine.step()
+        deltas = self.llm.engine.step()
         self.steps.append((time.perf_counter() - started, self.stats[-1]))
+        for delta in deltas:
+            tokens = self.token_ids.setdefault(delta.request_id, [])
+            for output in delta.outputs:  # one: n = 1
+                tokens.extend(output.token_ids)
 
     @property
     def busy(self) -> bool:

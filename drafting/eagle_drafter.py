@@ -26,6 +26,7 @@ from engine.draft_budget import DraftBudget
 from engine.draft_tree import DraftTree
 from engine.drafter import Accepted, logits_context, sample_one_each
 from engine.layers.cpu_linear import CpuLinear, can_use_cpu_linear
+from engine.layers.fp16_linear import Fp16Linear, can_use_fp16_linear
 from engine.layers.paged_attention import (
     SequenceAttention,
     build_attention_metadata,
@@ -101,6 +102,7 @@ class EagleDrafter:
         block_size: int,
         shape: TreeShape,
         budget: DraftBudget | None = None,
+        fp16_weights: bool = False,
     ) -> None:
         self.head, self.target, self.kv_cache = head, target, kv_cache
         self.block_size, self.shape = block_size, shape
@@ -110,7 +112,8 @@ class EagleDrafter:
         # A reduced draft vocabulary scores only the target's most frequent tokens: its lm_head
         # rows are a fraction of the full one, which dominates drafting for small targets.
         self.draft_vocab = head.draft_vocab  # [V_draft] target token ids, or None
-        self.draft_lm_head = _draft_lm_head(target.lm_head, self.draft_vocab)
+        # fp16_weights: an fp16 copy for FBGEMM's GEMM where it runs (engine/layers/fp16_linear.py)
+        self.draft_lm_head = _draft_lm_head(target.lm_head, self.draft_vocab, fp16_weights)
 
     # ------------------------------------------------------------------ propose
     @torch.inference_mode()
@@ -424,13 +427,22 @@ def _extend_ancestors(
     return mask
 
 
-def _draft_lm_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None) -> nn.Module:
-    """The target's lm_head, or a copy of its rows for a reduced draft vocabulary (a CpuLinear
-    sharing the target's kernel choice where it can be, as the target's own linears are)."""
-    if draft_vocab is None:
+def _draft_lm_head(
+    lm_head: nn.Module, draft_vocab: torch.Tensor | None, fp16_weights: bool
+) -> nn.Module:
+    """The target's lm_head for drafting, or its rows for a reduced draft vocabulary: an
+    Fp16Linear where asked for and it can run, else the target's lm_head itself or a CpuLinear
+    of the rows sharing the target's kernel choice where it can be, as the target's linears do."""
+    weight = lm_head.weight.detach()  # [V, hidden]
+    if draft_vocab is not None:
+        weight = weight[draft_vocab]  # [V_draft, hidden]
+    fp16 = fp16_weights and can_use_fp16_linear(weight)
+    if draft_vocab is None and not fp16:
         return lm_head
-    rows = nn.Linear(lm_head.in_features, len(draft_vocab), bias=False, device="meta")
-    rows.weight = nn.Parameter(lm_head.weight.detach()[draft_vocab], requires_grad=False)
+    rows = nn.Linear(lm_head.in_features, len(weight), bias=False, device="meta")
+    rows.weight = nn.Parameter(weight, requires_grad=False)
+    if fp16:
+        return Fp16Linear(rows)
     if not can_use_cpu_linear(rows.weight):
         return rows
     return CpuLinear(rows, getattr(lm_head, "kernels", None))  # the kernels the target's use

@@ -51,6 +51,10 @@ class EngineConfig:
     # skips drafting when plain decoding is faster (engine/draft_budget.py). False: every tree is
     # verified at draft_total_tokens.
     adaptive_draft_budget: bool = True
+    # fp32 on CPU: the draft head's linears and the draft lm_head keep their weights in fp16 and
+    # multiply through FBGEMM's fp16 GEMM (engine/layers/fp16_linear.py): half of drafting's weight
+    # reads; drafts only, so outputs do not change. False: fp32, as the target's
+    fp16_draft_weights: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size must be >= 1")

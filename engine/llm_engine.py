@@ -25,6 +25,7 @@ from engine.drafter import Accepted, AutoregressiveDrafter, Drafter
 from engine.errors import InvalidRequestError
 from engine.layers.cpu_kernels import use_cpu_kernels
 from engine.layers.cpu_linear import use_cpu_linears
+from engine.layers.fp16_linear import use_fp16_linears
 from engine.model_files import load_config, load_state_dict, load_tokenizer, resolve_model_path
 from engine.model_runner import ForwardOutput, ModelRunner
 from engine.models.spec import ModelSpec
@@ -71,6 +72,8 @@ class LLMEngine:
             config, self.spec, hf_config, state_dict, self.max_model_len, extra_layers
         )
         if head:  # the head's passes are as few rows as the target's, and choose as they do
+            if config.fp16_draft_weights:  # or half the bytes, where FBGEMM runs them
+                use_fp16_linears(head)
             use_cpu_linears(head, self.runner.linear_kernels)
             use_cpu_kernels(head, self.runner.cpu_kernels)
         self.block_manager = BlockManager(
@@ -107,6 +110,7 @@ class LLMEngine:
             self.config.block_size,
             shape,
             self.budget,
+            self.config.fp16_draft_weights,
         )
 
     def _measure_budget(self) -> DraftBudget:

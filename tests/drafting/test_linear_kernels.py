@@ -18,7 +18,9 @@ from engine.layers.cpu_linear import (
     cpu_linears,
     formats_available,
 )
+from engine.layers.fp16_linear import Fp16Linear, can_use_fp16_linear
 from tests.drafting.test_speculative_generation import (
+    acceptance_length,
     assert_same_or_near_tie,
     generate,
     mixed_prompts,
@@ -69,7 +71,9 @@ def test_the_measured_choice_reaches_every_linear_and_speculation_stays_exact(
     (head / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(3, 256, 2))}))
     prompts = mixed_prompts(6, seed=3)
     _, plain = generate(bigram_target, None, prompts, num_kv_blocks=1024)
-    llm, speculative = generate(bigram_target, head, prompts, num_kv_blocks=1024)
+    llm, speculative = generate(
+        bigram_target, head, prompts, num_kv_blocks=1024, fp16_draft_weights=False
+    )
 
     engine = llm.engine
     kernels = engine.runner.linear_kernels
@@ -83,3 +87,30 @@ def test_the_measured_choice_reaches_every_linear_and_speculation_stays_exact(
         assert_same_or_near_tie(
             bigram_target, prompt, a.outputs[0].token_ids, b.outputs[0].token_ids
         )
+
+
+@pytest.mark.skipif(not can_use_fp16_linear(torch.zeros(1)), reason="needs FBGEMM (x86)")
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_fp16_draft_weights_draft_as_fp32_ones_do_and_stay_exact(
+    bigram_target, trained_head, tmp_path, draft_vocab
+):
+    head = shutil.copytree(trained_head, tmp_path / "head")
+    if draft_vocab:
+        (head / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(3, 256, 2))}))
+    prompts = mixed_prompts(6, seed=4)
+    _, plain = generate(bigram_target, None, prompts, num_kv_blocks=1024)
+    llm, fp16 = generate(bigram_target, head, prompts, num_kv_blocks=1024)
+    _, fp32 = generate(bigram_target, head, prompts, num_kv_blocks=1024, fp16_draft_weights=False)
+
+    drafter = llm.engine.drafter
+    head_linears = [m for m in drafter.head.modules() if isinstance(m, Fp16Linear)]
+    assert len(head_linears) == 5  # fc, qkv, o, gate_up, down
+    assert isinstance(drafter.draft_lm_head, Fp16Linear)
+    assert not any(isinstance(m, Fp16Linear) for m in llm.engine.runner.model.modules())
+    for prompt, a, b in zip(prompts, plain, fp16):
+        assert_same_or_near_tie(
+            bigram_target, prompt, a.outputs[0].token_ids, b.outputs[0].token_ids
+        )
+    # the drafts hardly move: the head accepts as much as with its fp32 weights
+    assert acceptance_length(fp16) == pytest.approx(acceptance_length(fp32), rel=0.05)
+    assert acceptance_length(fp16) > 1.3  # a trained head, not noise
