@@ -33,11 +33,12 @@ from engine.layers.paged_attention import (
     new_token_slots,
 )
 from engine.logits_processing import apply_penalties, target_probabilities, token_logprobs
-from engine.model_runner import FREE_LOGITS_ROWS, ForwardOutput
+from engine.model_runner import ForwardOutput
 from engine.models.decoder import DecoderModel
 from engine.outputs import TokenLogprob
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
+from engine.verify_cost import FREE_LOGITS_ROWS
 
 # A sequence's rows before its newest, up to this many, run in the newest row's full head pass
 # instead of a K/V-only pass of their own (a drafting step brings its accepted tokens: 0 to depth).

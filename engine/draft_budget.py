@@ -32,8 +32,8 @@ Otherwise, what it goes by, first to last:
   sequences up 4 drafting steps, as each averages over its sequences) and their rates stand two
   standard errors apart, the faster kind is chosen (a bucket that drafts takes a plain step
   every 32 drafting decisions to keep its comparison fresh); while they stand closer than that,
-  the faster of the two by its recent rate (probes going on as before: only a clear loss backs
-  them off);
+  drafting only where its recent rate leads by 5% (probes going on as before: only a clear loss
+  backs them off);
 - until then, the cost model's prediction of both rates for the step's batch, from the recent
   value curve (the mean calibrated value of each sequence's m-th best node, averaged over recent
   steps) and the drafting cost fitted against the number of sequences. That cost is measured on
@@ -65,9 +65,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.model_runner import FREE_LOGITS_ROWS
 from engine.realized_rates import RealizedRates
-from engine.verify_cost import VerifyCost
+from engine.verify_cost import VerifyCost, node_logits_with_pass
 
 _DECAY = 0.95  # weight of the past in the running estimates, per observation (the values: per step)
 _MAX_SCALE = 4.0  # the start-up measurement is trusted to within this factor
@@ -178,7 +177,7 @@ class DraftBudget:
         num_nodes = np.arange(len(expected))  # [K + 1] N
         rate = (batch + expected) / (
             self._seconds(num_pass_tokens + num_nodes)
-            + self._walk_seconds(expected, batch + num_nodes)
+            + self._walk_seconds(expected, batch, num_nodes)
         )
         best = int(rate.argmax())  # the first maximum: ties go to fewer nodes
         counts = torch.bincount(order[:best] // width, minlength=batch)
@@ -274,13 +273,16 @@ class DraftBudget:
         """Seconds of a pass of `num_tokens` tokens (a number or an array) on this machine now."""
         return np.maximum(self.verify_cost(num_tokens) * self.verify_scale, 1e-9)
 
-    def _walk_seconds(self, num_accepted, num_rows):
-        """Seconds the acceptance walk spends on the lm_head rows of `num_accepted` nodes (a
-        number or an array), as if in one call: a batch's walks share one call per level. None
-        where the pass's sampled rows and nodes, `num_rows`, are few enough to come with the
-        pass's own lm_head call (engine/model_runner.py), for about the price of its roots."""
-        walk = self.verify_cost.logits(num_accepted) * self.verify_scale
-        return np.where(np.asarray(num_rows) <= FREE_LOGITS_ROWS, 0.0, walk)
+    def _walk_seconds(self, num_accepted, num_sampled: int, num_nodes):
+        """Seconds the lm_head spends on draft nodes beyond the pass's sampled rows: their rows
+        in the pass's own call where it brings them (`node_logits_with_pass`: a few rows cost
+        about what one does), else the acceptance walk's calls over the `num_accepted` nodes it
+        accepts (numbers or arrays), as if one: a batch's walks share one call per level."""
+        logits = self.verify_cost.logits
+        in_pass = logits(num_sampled + np.asarray(num_nodes)) - logits(num_sampled)
+        walk = logits(num_accepted)
+        with_pass = node_logits_with_pass(self.verify_cost, num_sampled, num_nodes, num_sampled)
+        return np.where(with_pass, in_pass, walk) * self.verify_scale
 
     def _draft_seconds(self, num_sequences: int) -> float:
         return _line(self.draft_fit, num_sequences)

@@ -128,6 +128,7 @@ class LLMEngine:
                 f"{n} rows {1000 * s:.1f} ms" for n, s in zip(cost.logits_rows, cost.logits_seconds)
             ),
         )
+        self.runner.verify_cost = cost
         return DraftBudget(cost)
 
     # ----------------------------------------------------------------- requests in

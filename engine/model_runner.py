@@ -31,6 +31,7 @@ from engine.linear_kernels import choose_linear_kernels
 from engine.models.decoder import DecoderModel
 from engine.models.spec import ModelSpec
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.verify_cost import VerifyCost, node_logits_with_pass
 
 logger = logging.getLogger(__name__)
 
@@ -40,19 +41,17 @@ SYNTHETIC_CONTEXT = 64  # cached entries before the new tokens of a synthetic pa
 # of its own: it pads every sequence of a pass to the longest, and a padded query row costs about
 # as much as a real one, while a pass's extra read of the weights is small beside a chunk's compute.
 _LONG_QUERY = 16
-# Rows of logits the lm_head computes for about the price of one (engine/layers/cpu_linear.py):
-# a verify pass whose sampled rows and draft nodes are no more computes all their logits at once.
-FREE_LOGITS_ROWS = 8
 
 
 @dataclass(frozen=True)
 class ForwardOutput:
     """One verify pass. Rows of `hidden` follow the scheduled tokens in order; `logits` has a row
     per sampling sequence: its last token's, or its draft tree's root's. The logits of a tree's
-    other nodes come with the pass when all the rows fit in `FREE_LOGITS_ROWS` (`tree_logits`);
-    otherwise they are computed on demand (`node_logits`): an acceptance walk reads only the nodes
-    it reaches (and, where they are few, the nodes below them), and on a CPU the lm_head is dear
-    (113 MB of fp32 weights for the default model: a call costs a tenth of a one-token pass)."""
+    other nodes come with the pass (`tree_logits`) when that costs less than the walks' own calls
+    would (`node_logits_with_pass`); otherwise they are computed on demand (`node_logits`): an
+    acceptance walk reads only the nodes it reaches (and, where they are few, the nodes below
+    them), and on a CPU the lm_head is dear (113 MB of fp32 weights for the default model: a call
+    costs a seventh of a one-token pass)."""
 
     logits: torch.Tensor  # [R, vocab] float32
     hidden: torch.Tensor  # [T, hidden] final features of every computed token
@@ -98,6 +97,9 @@ class ModelRunner:
         self.forward = self.model  # [T] ids, [T] positions, K/V, metadata -> [T, hidden]
         # how every CpuLinear of this engine runs, measured below (engine/linear_kernels.py)
         self.linear_kernels = LinearKernels()
+        # the passes' and the lm_head's measured cost, once the engine has it (for the draft
+        # budget); it decides whether a verify pass brings its tree nodes' logits
+        self.verify_cost: VerifyCost | None = None
         # the fused CPU kernels every layer of this engine calls (the head's too), or None
         self.cpu_kernels: CpuKernels | None = None
         if config.enable_torch_compile:  # inductor freezes the weights into its graphs
@@ -148,7 +150,9 @@ class ModelRunner:
             if item.seq.seq_id in trees
             for r in rows[1:]
         ]
-        if len(sample_rows) + len(node_rows) > FREE_LOGITS_ROWS:
+        if not node_logits_with_pass(
+            self.verify_cost, len(sample_rows), len(node_rows), len(trees)
+        ):
             node_rows = []  # the acceptance walks compute what they reach (`node_logits`)
         picked = torch.tensor(sample_rows + node_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[picked])  # [R + N, vocab]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.draft_budget import DraftBudget, StepOutcome
-from engine.verify_cost import VerifyCost, measure_verify_cost
+from engine.verify_cost import VerifyCost, measure_verify_cost, node_logits_with_pass
 from tests.engine.helpers import tiny_engine
 
 
@@ -46,12 +46,26 @@ def test_the_lm_head_cost_rises_from_nothing_through_its_measurements():
 def test_a_dear_acceptance_walk_keeps_drafts_out_unless_the_pass_brings_their_logits():
     flat_verify = ((1, 4096), (1.0, 1.0))
     cheap_walk = DraftBudget(VerifyCost(*flat_verify, (1, 64), (0.01, 0.64)))
-    dear_walk = DraftBudget(VerifyCost(*flat_verify, (1, 64), (10.0, 640.0)))
+    # an lm_head whose calls cost 10 s, about as much for 8 rows as for one, 10 s a row beyond
+    dear_walk = DraftBudget(VerifyCost(*flat_verify, (1, 8, 64), (10.0, 10.0, 570.0)))
     five = values(*[[0.9, 0.8]] * 5)  # 5 sequences: their roots and 3 nodes are 8 rows
     assert cheap_walk.allocate(five, 5) == [2] * 5
-    # Beyond 8 rows the walk pays the lm_head; up to 8 the pass's own call brings the logits.
+    # Beyond 8 rows the nodes' logits cost 10 s each, in the pass or the walk; up to 8 the
+    # pass's own call brings them.
     assert dear_walk.allocate(five, 5) == [1, 1, 1, 0, 0]
     assert dear_walk.allocate(values([0.9, 0.8]), 1) == [2]
+
+
+def test_a_pass_brings_its_nodes_logits_while_that_costs_less_than_a_walk_call():
+    # the default model's lm_head on the AMD EPYC (ms by rows)
+    cost = VerifyCost((1,), (30.0,), (1, 8, 16, 32, 64), (4.5, 4.8, 5.7, 9.9, 17.7))
+    # 4 trees of 4 tokens: 12 nodes beside 4 roots cost 0.9 ms, a walk call over 4 rows 4.8
+    assert node_logits_with_pass(cost, 4, 12, 4)
+    # 16 trees of 4 tokens: 48 nodes cost 12 ms, a walk call 5.7
+    assert not node_logits_with_pass(cost, 16, 48, 16)
+    assert node_logits_with_pass(cost, 16, [0, 4, 48], 16).tolist() == [True, True, False]
+    # unmeasured: as many rows as about cost one
+    assert node_logits_with_pass(None, 4, 4, 4) and not node_logits_with_pass(None, 4, 12, 4)
 
 
 def test_free_verification_keeps_every_node_a_sequence_may_keep():
@@ -200,6 +214,21 @@ def test_realized_rates_too_close_to_call_still_outweigh_the_cost_model():
         budget.realized.record(True, 4, 4 * tokens_per_sequence, 0.1)
     assert budget.realized.drafting_wins(4) is None  # too close for a verdict ...
     assert not any(budget.should_draft(4, 4) for _ in range(20))  # ... but plain is ahead
+
+
+def test_a_lead_within_the_noise_and_under_five_percent_decodes_plainly():
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=1000)
+    budget.allocate(values(*[[0.9, 0.8, 0.7]] * 4), 4)
+    budget.observe_draft(4, 0.01)
+    for tokens_per_sequence in [0.53, 1.53] * 8:  # mean 1.03 a step, plain steps 1.0
+        budget.realized.record(False, 4, 4, 0.1)
+        budget.realized.record(True, 4, 4 * tokens_per_sequence, 0.1)
+    assert budget.realized.drafting_wins(4) is None
+    assert not any(budget.should_draft(4, 4) for _ in range(20))
+    for tokens_per_sequence in [0.6, 1.6] * 16:  # mean 1.1: a lead worth taking
+        budget.realized.record(True, 4, 4 * tokens_per_sequence, 0.1)
+    assert budget.realized.drafting_wins(4) is None
+    assert budget.should_draft(4, 4)
 
 
 def test_probes_come_four_times_as_far_apart_while_drafting_trails_within_the_noise():
