@@ -7,9 +7,10 @@ over tokens expected, measured as the engine runs) corrects a head that is over-
 under-confident. A step with B decoding sequences and T0 scheduled tokens (their roots, plus any
 prefill chunks) that verifies N draft nodes emits B + E(N) tokens, E(N) the sum of the N values
 kept, in cost(T0 + N) + L(E(N)) seconds: the verify cost measured at start-up
-(engine/verify_cost.py), scaled by how long the real passes take against it, plus L, the lm_head
-over the rows of the nodes the acceptance walk accepts (measured too: a few rows cost about what
-one does), or nothing when the pass's rows are few enough for its own lm_head call to bring them.
+(engine/verify_cost.py), scaled by how long the real passes take against it, plus L, what the
+lm_head spends on the nodes: the extra rows in the pass's own lm_head call where that is cheaper
+than a call of the acceptance walks (`node_logits_with_pass`, the runner's rule too), else the
+walks' calls over the rows of the nodes they accept (the lm_head's cost by rows is measured too).
 The budget keeps the N nodes of highest value across all sequences, with N maximising that rate;
 N = 0 is plain decoding. A child's value never exceeds its parent's, so each sequence's kept nodes
 form a tree.
