@@ -36,6 +36,9 @@ class EngineConfig:
     # attention through the fused C kernels of engine/layers/cpu_kernels.py (built once with the
     # machine's C compiler); False: PyTorch's
     fused_cpu_kernels: bool = True
+    # fp32 on CPU, eager: a pass of a few rows runs the linears padded with zero rows to the size
+    # measured fastest at start-up (engine/linear_kernels.py); False: as many rows as it has
+    pad_linear_passes: bool = True
     # "auto": flash-attn on CUDA in fp16/bf16 when it is installed, else torch's SDPA;
     # "torch" always SDPA; "flash" insists on flash-attn (engine/layers/flash_attention.py)
     attention_backend: str = "auto"

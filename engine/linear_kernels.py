@@ -12,7 +12,12 @@ passes of one-token sequences, the candidates taking turns in every round:
    and the other copies are freed;
 2. BLAS's share: passes of 1, 2, 4 and 8 sequences through BLAS against the chosen format; BLAS
    serves passes of up to the largest of those sizes at which it, and every smaller one, is
-   clearly faster.
+   clearly faster;
+3. padding: passes of 1 to 8 sequences, the sizes taking turns; a pass of m rows (beyond BLAS's)
+   is computed as the fastest pass of m to 8 rows (zero rows added) when that is clearly faster
+   than m rows. On the AMD EPYC with AVX-512 oneDNN is slower for one or two rows than for three
+   to six, and padding sped two requests decoding at once up by 8% (benchmarks/
+   bench_padded_passes.py).
 
 The kernels sum in different orders, so they agree to float rounding, as any two BLAS kernels do.
 A model whose weights fit in a CPU's caches is not timed (its passes do not stream weights, so the
@@ -32,14 +37,17 @@ logger = logging.getLogger(__name__)
 
 _FORMAT_ROWS = (4, 8, 16, 64)  # pass sizes the formats are compared on
 _BLAS_ROWS = (1, 2, 4, 8)  # pass sizes tried for BLAS, in order; it must win at each one
+_PAD_ROWS = 8  # passes of fewer rows may be padded, up to this many
 _ROUNDS = 5  # timed passes per candidate and size, the candidates taking turns; the fastest counts
+_PAD_ROUNDS = 8  # the same for the padding's 8 sizes (their differences are small against noise)
 _MARGIN = 0.95  # a candidate replaces the default only under this share of its time
 _MIN_WEIGHT_BYTES = 64 << 20  # smaller models are not timed: oneDNN serves every pass
 
 
-def choose_linear_kernels(runner, kernels: LinearKernels) -> None:
+def choose_linear_kernels(runner, kernels: LinearKernels, padding: bool = True) -> None:
     """Time `runner`'s passes and set `kernels` (shared by every CpuLinear of its model) to the
-    fastest choice. Uses the KV cache as scratch, so call it before any request is scheduled."""
+    fastest choice (padding no pass unless `padding`). Uses the KV cache as scratch, so call it
+    before any request is scheduled."""
     linears = cpu_linears(runner.model)
     weight_bytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in linears)
     if weight_bytes < _MIN_WEIGHT_BYTES:
@@ -48,12 +56,14 @@ def choose_linear_kernels(runner, kernels: LinearKernels) -> None:
     for layer in linears:
         layer.keep_only(kernels.packed_format)
     blas_timings = _choose_blas_rows(runner, kernels)
+    padding_timings = _choose_padding(runner, kernels) if padding else "no padding"
     logger.info(
-        "linear kernels: BLAS up to %d rows, then %s (%s; %s)",
+        "linear kernels: BLAS up to %d rows, then %s (%s; %s; %s)",
         kernels.blas_max_rows,
         kernels.packed_format,
         format_timings,
         blas_timings,
+        padding_timings,
     )
 
 
@@ -98,6 +108,40 @@ def _choose_blas_rows(runner, kernels: LinearKernels) -> str:
         chosen = rows
     kernels.blas_max_rows = chosen
     return "; ".join(timings)
+
+
+def _choose_padding(runner, kernels: LinearKernels) -> str:
+    """Set `kernels.pad_to` from unpadded passes of 1 to `_PAD_ROWS` sequences; return the
+    timings, for the log."""
+    pass_times = _fastest_by_size(runner, range(1, _PAD_ROWS + 1))
+    kernels.pad_to = padded_rows(pass_times, kernels.blas_max_rows)
+    times = "/".join(f"{1000 * t:.1f}" for t in pass_times)
+    return f"passes of 1-{_PAD_ROWS} rows {times} ms, computed as {kernels.pad_to} rows"
+
+
+def padded_rows(pass_times: list[float], blas_max_rows: int) -> tuple[int, ...]:
+    """Rows to compute for a pass of 1, 2, ... len(pass_times) rows, given the seconds of an
+    unpadded pass of each size: the fastest size from m up where it takes under `_MARGIN` of m's
+    time, else m (and m itself where BLAS serves m rows: it takes no padded pass)."""
+    sizes = range(1, len(pass_times) + 1)
+    chosen = []
+    for m in sizes:
+        best = min(sizes[m - 1 :], key=lambda size: pass_times[size - 1])
+        faster = pass_times[best - 1] < _MARGIN * pass_times[m - 1]
+        chosen.append(best if faster and m > blas_max_rows else m)
+    return tuple(chosen)
+
+
+def _fastest_by_size(runner, sizes) -> list[float]:
+    """Seconds of the fastest pass of each size of one-token sequences, the sizes taking turns."""
+    fastest = [float("inf")] * len(sizes)
+    for round_ in range(_PAD_ROUNDS + 1):  # the first round only warms every size up
+        for i, rows in enumerate(sizes):
+            started = time.perf_counter()
+            runner.synthetic_pass(rows, 1)
+            if round_:
+                fastest[i] = min(fastest[i], time.perf_counter() - started)
+    return fastest
 
 
 def _fastest_passes(

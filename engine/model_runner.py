@@ -110,7 +110,7 @@ class ModelRunner:
                 self.cpu_kernels = load_cpu_kernels()
                 use_cpu_kernels(self.model, self.cpu_kernels)
             use_cpu_linears(self.model, self.linear_kernels)
-            choose_linear_kernels(self, self.linear_kernels)
+            choose_linear_kernels(self, self.linear_kernels, config.pad_linear_passes)
 
     def _num_kv_blocks(self, layers: list[LayerShape]) -> int:
         if self.config.num_kv_blocks is not None:

@@ -68,10 +68,17 @@ def formats_available() -> tuple[str, ...]:
 @dataclass
 class LinearKernels:
     """How every CpuLinear that shares this object runs: passes of at most `blas_max_rows` rows
-    through BLAS on the plain weight, larger ones on the copy in `packed_format`."""
+    through BLAS on the plain weight, larger ones on the copy in `packed_format`, a pass of m rows
+    padded with zero rows to `pad_to[m - 1]` rows where that is longer: a kernel can be faster for
+    a few more rows (oneDNN on the AMD EPYC with AVX-512: engine/linear_kernels.py), and each
+    row's result does not depend on the others."""
 
     packed_format: str = ONEDNN
     blas_max_rows: int = 0
+    pad_to: tuple[int, ...] = ()  # rows computed for a pass of 1, 2, ... rows; beyond: as many
+
+    def rows_to_compute(self, num_rows: int) -> int:
+        return self.pad_to[num_rows - 1] if num_rows <= len(self.pad_to) else num_rows
 
 
 class CpuLinear(DirectCallModule):
@@ -111,15 +118,18 @@ class CpuLinear(DirectCallModule):
         mkl = packed_format == MKL_PACKED
         if num_rows <= self.kernels.blas_max_rows or (mkl and num_rows > MKL_PACKED_MAX_ROWS):
             return F.linear(x, self.weight, self.bias)
+        computed = self.kernels.rows_to_compute(num_rows)
+        if computed > num_rows:
+            rows = torch.cat([rows, rows.new_zeros(computed - num_rows, rows.shape[1])])  # [P, in]
         if mkl:  # the op runs the packed kernel when its last argument equals the number of rows
             out = torch.ops.mkl._mkl_linear(
-                rows, self.copies[MKL_PACKED], self.weight, self.bias, num_rows
-            )  # [M, out]
+                rows, self.copies[MKL_PACKED], self.weight, self.bias, computed
+            )  # [P, out]
         else:
             out = torch.ops.mkldnn._linear_pointwise(
                 rows, self.copies[ONEDNN], self.bias, "none", [], ""
-            )  # [M, out]
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+            )  # [P, out]
+        return out[:num_rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def use_cpu_linears(module: nn.Module, kernels: LinearKernels | None = None) -> None:

@@ -55,6 +55,17 @@ def test_a_small_model_is_not_timed_and_keeps_onednn(bigram_target, monkeypatch)
     assert all(list(layer.copies) == [ONEDNN] for layer in layers)
 
 
+# unpadded passes of 1-8 sequences: 4 rows are faster than 1 or 2
+PASS_TIMES = [1.0, 1.1, 0.97, 0.8, 0.85, 0.9, 1.0, 1.1]
+
+
+def test_a_pass_is_padded_to_the_fastest_larger_size_only_where_clearly_faster():
+    assert linear_kernels.padded_rows(PASS_TIMES, 0) == (4, 4, 4, 4, 5, 6, 7, 8)
+    assert linear_kernels.padded_rows(PASS_TIMES, 1) == (1, 4, 4, 4, 5, 6, 7, 8)
+    even = [1.0, 0.98, 0.97, 0.99]  # within the margin: nothing is padded
+    assert linear_kernels.padded_rows(even, 0) == (1, 2, 3, 4)
+
+
 CHOICES = [(0, 1.0), (2, 0.5), (8, 0.97)]  # (rows BLAS wins up to, MKL-packed's share of oneDNN)
 
 
@@ -64,6 +75,7 @@ def test_the_measured_choice_reaches_every_linear_and_speculation_stays_exact(
 ):
     monkeypatch.setattr(linear_kernels, "_MIN_WEIGHT_BYTES", 0)
     monkeypatch.setattr(linear_kernels, "_fastest_passes", timings(rows_limit, mkl_share))
+    monkeypatch.setattr(linear_kernels, "_fastest_by_size", lambda runner, sizes: PASS_TIMES)
     has_mkl = MKL_PACKED in formats_available()
     expected_format = MKL_PACKED if has_mkl and mkl_share < linear_kernels._MARGIN else ONEDNN
     # a reduced draft vocabulary, so that the draft lm_head is a linear of its own
@@ -77,7 +89,8 @@ def test_the_measured_choice_reaches_every_linear_and_speculation_stays_exact(
 
     engine = llm.engine
     kernels = engine.runner.linear_kernels
-    assert kernels == LinearKernels(expected_format, rows_limit)
+    pad_to = linear_kernels.padded_rows(PASS_TIMES, rows_limit)
+    assert kernels == LinearKernels(expected_format, rows_limit, pad_to)
     head_linears = cpu_linears(engine.drafter.head)
     assert head_linears and isinstance(engine.drafter.draft_lm_head, CpuLinear)
     linears = [*cpu_linears(engine.runner.model), *head_linears, engine.drafter.draft_lm_head]

@@ -40,6 +40,24 @@ def test_a_cpu_linear_matches_nn_linear_for_every_number_of_rows(packed_format, 
         torch.testing.assert_close(fast(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed_format", FORMATS)
+def test_a_padded_pass_computes_its_rows_among_zero_rows_and_returns_only_them(packed_format):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160)
+    kernels = LinearKernels(packed_format, pad_to=(4, 4, 3, 4, 6, 6))
+    padded, plain = CpuLinear(linear, kernels), CpuLinear(linear, LinearKernels(packed_format))
+    with torch.inference_mode():
+        for rows, computed in ((1, 4), (2, 4), (3, 3), (4, 4), (5, 6), (6, 6), (7, 7)):
+            x = torch.randn(rows, 96)
+            zeros = torch.zeros(computed - rows, 96)
+            expected = plain(torch.cat([x, zeros]))[:rows]  # the kernel over the padded rows
+            assert kernels.rows_to_compute(rows) == computed
+            assert torch.equal(padded(x), expected), f"{rows} rows were not computed as {computed}"
+            torch.testing.assert_close(padded(x), linear(x), rtol=1e-5, atol=1e-5)
+        x = torch.randn(2, 1, 96)  # leading dimensions are kept
+        assert padded(x).shape == (2, 1, 160)
+
+
 def test_only_fp32_cpu_linears_are_replaced_and_their_weights_are_shared():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     model[2].to(torch.bfloat16)
