@@ -14,8 +14,16 @@ sequences: a step's tokens per sequence average over all of them, so at 16 seque
 drafting steps say more than sixteen at one.
 
 A bucket that keeps drafting still needs a fresh plain step now and then to compare against: one
-every `plain_probe_interval` drafting decisions. (The other way round, the budget's own probes
-keep the drafting side fresh.)
+every `plain_probe_interval` drafting decisions once drafting has clearly won there, one every
+`unsure_probe_interval` while both kinds have been seen and there is no verdict (drafting then goes
+by its lead over a plain window of eight steps). The machine drifts (a plain step of 8 sequences
+took 37 to 95 ms within a minute here), and a plain window refreshed once in 32 drafting steps
+kept a slow minute's plain rate for hundreds of steps: at 8 sequences drafting led it and ran at
+0.95x plain decoding's speed. Refreshed every 4, the lead goes when the slow minute does
+(bench_load_overhead at 8 requests, 4 rounds: 31 drafting steps of 506 and 0.963x AR, against
+136 of 491 and 0.944x). Where there is no verdict the two kinds are close, so a plain step costs
+next to nothing there. (The other way round, the budget's own probes keep the drafting side
+fresh.)
 """
 
 from __future__ import annotations
@@ -45,9 +53,14 @@ class _Bucket:
 
 class RealizedRates:
     def __init__(
-        self, plain_probe_interval: int = 32, min_drafted: int = 16, min_plain: int = 4
+        self,
+        plain_probe_interval: int = 32,
+        unsure_probe_interval: int = 4,
+        min_drafted: int = 16,
+        min_plain: int = 4,
     ) -> None:
         self.plain_probe_interval = plain_probe_interval
+        self.unsure_probe_interval = unsure_probe_interval
         # steps of each kind before the realized rates decide: a drafting step's tokens vary
         # (1 to 4 at one sequence), a plain step's do not; min_drafted is for one sequence
         self.min_drafted, self.min_plain = min_drafted, min_plain
@@ -90,9 +103,14 @@ class RealizedRates:
 
     def plain_probe_due(self, num_sequences: int) -> bool:
         """Whether a step about to draft should decode plainly instead, to refresh the plain
-        rate it is compared against."""
+        rate it is compared against: more often while both kinds have been seen and there is no
+        verdict (drafting then goes by its lead over a plain window that must stay fresh)."""
         samples = self._bucket(num_sequences)
-        return samples.drafts_since_plain >= self.plain_probe_interval or (
+        unsure = (
+            self._seen_enough(samples, num_sequences) and self.drafting_wins(num_sequences) is None
+        )
+        interval = self.unsure_probe_interval if unsure else self.plain_probe_interval
+        return samples.drafts_since_plain >= interval or (
             len(samples.plain) < self.min_plain
             and len(samples.drafted) >= self._min_drafted(num_sequences)
         )

@@ -72,6 +72,24 @@ def test_a_drafting_bucket_is_due_a_plain_step_after_its_interval():
     assert not rates.plain_probe_due(1)
 
 
+def test_a_bucket_drafting_without_a_verdict_refreshes_its_plain_rate_sooner():
+    """Drafting chosen by a lead within the noise goes by a plain window that may be a slow
+    minute old: it is refreshed every `unsure_probe_interval` drafting decisions, not every
+    `plain_probe_interval`."""
+    rates = RealizedRates(plain_probe_interval=32, unsure_probe_interval=4, min_drafted=4)
+    record_steps(rates, True, [2, 1, 3, 1], 0.025)  # 70 tokens/s, give or take 30 ...
+    record_steps(rates, False, [1] * 4, 0.02)  # ... against 50: no verdict
+    assert rates.drafting_wins(1) is None
+    for _ in range(3):
+        rates.decided(1, drafts=True)
+    assert not rates.plain_probe_due(1)
+    rates.decided(1, drafts=True)
+    assert rates.plain_probe_due(1)
+    record_steps(rates, True, [2] * 16, 0.025)  # now drafting clearly wins: the long interval
+    assert rates.drafting_wins(1) is True
+    assert not rates.plain_probe_due(1)
+
+
 def test_a_verdict_needs_fewer_drafting_steps_the_more_sequences_each_has():
     """Sixteen sequences average out a step's luck: four drafting steps settle what sixteen
     must at one sequence; the floor of four steps stays."""
