@@ -85,7 +85,7 @@ def summarize(runs: list[EngineRun]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", default="1,4,16,32", help="comma-separated batch sizes")
+    parser.add_argument("--batches", default="1,4,8,16,32", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per batch size")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")

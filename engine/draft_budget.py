@@ -46,10 +46,13 @@ The model alone was right on average but not at every batch size, and a small er
 step: optimistic at 4 sequences, it drafted on 158 of 190 steps at 0.83x plain decoding's speed;
 pessimistic after a few early probes at 1, it backed its probes off and never drafted again.
 Probes stay `probe_interval` apart until the realized rates show drafting behind at the batch
-size. Behind within the noise, they come 4 times as far apart; clearly behind, they back off so
-that they cost at most 1% of decoding time (what a drafting step has recently taken beyond a
-plain one there, its drafting, larger pass and acceptance walk, over 1% of a plain step; at
-least `probe_interval` and at most 256 steps). On plain steps the head
+size. Behind within the noise, they come 4 times as far apart, or further where the time its
+steps lose (their seconds less what plain steps would take for their tokens) is over 1% of that
+many plain steps' (at 8 sequences drafting steps took 82.9 ms for 1.43 tokens a sequence against
+plain ones' 45.9 ms for one, 17 ms lost: every 37 steps). Clearly behind, they back off so that
+they cost at most 1% of decoding time (what a drafting step has recently taken beyond a plain one
+there, its drafting, larger pass and acceptance walk, over 1% of a plain step; at least
+`probe_interval` and at most 256 steps). On plain steps the head
 catches up on the decoding sequences' new tokens only every 32nd step, in one batch, so that a
 mostly plain engine costs next to nothing over plain decoding.
 
@@ -189,22 +192,28 @@ class DraftBudget:
 
     def _next_probe_interval(self, num_sequences: int, num_pass_tokens: int) -> int:
         """Plain steps until the next probe at this batch size: backed off all the way once
-        drafting is known to lose here, part of the way while it merely trails (within the
-        noise, probes every few steps would draft a fifth of the time at a loss), else
-        `probe_interval`."""
+        drafting is known to lose here; while it merely trails, `_TRAILING_PROBE_FACTOR` times
+        as far apart (within the noise, probes every few steps would draft a fifth of the time
+        at a loss), or further where what its steps lose would cost more than `_PROBE_SHARE`
+        of the time; else `probe_interval`."""
         if self.realized.drafting_wins(num_sequences) is False:
-            return self._probe_wait(num_sequences, num_pass_tokens)
+            realized = self.realized.extra_seconds(num_sequences) or 0.0
+            extra = max(self._draft_seconds(num_sequences), realized)
+            return self._probe_wait(extra, num_pass_tokens)
         if self.realized.drafting_leads(num_sequences) is False:
-            return _TRAILING_PROBE_FACTOR * self.probe_interval
+            lost = self.realized.lost_seconds(num_sequences) or 0.0
+            trailing = _TRAILING_PROBE_FACTOR * self.probe_interval
+            return max(trailing, self._probe_wait(lost, num_pass_tokens))
         return self.probe_interval
 
-    def _probe_wait(self, num_sequences: int, num_pass_tokens: int) -> int:
-        """Plain steps between probes that do not pay, so that they cost `_PROBE_SHARE` of the
-        time: a probe costs its drafting, or all that drafting steps have really taken beyond a
-        plain step here (their larger pass and walk too) when known; a plain step its pass."""
-        realized = self.realized.extra_seconds(num_sequences) or 0.0
-        extra = max(self._draft_seconds(num_sequences), realized)
-        steps = extra / (_PROBE_SHARE * self._seconds(num_pass_tokens))
+    def _probe_wait(self, probe_cost: float, num_pass_tokens: int) -> int:
+        """Plain steps between probes that cost `probe_cost` seconds each beyond what they
+        deliver, so that they take `_PROBE_SHARE` of the time (a plain step: its pass). A probe
+        known to lose costs its drafting, or all that drafting steps have really taken beyond a
+        plain step here (their larger pass and walk too) when known: their tokens are not
+        counted, so that the few probes of a batch size where drafting is clearly dear stay
+        rare."""
+        steps = probe_cost / (_PROBE_SHARE * self._seconds(num_pass_tokens))
         return int(min(_MAX_PROBE_INTERVAL, max(self.probe_interval, math.ceil(steps))))
 
     def head_catch_up_due(self) -> bool:

@@ -123,6 +123,15 @@ class RealizedRates:
             return None
         return max(0.0, _mean_seconds(samples.drafted) - _mean_seconds(samples.plain))
 
+    def lost_seconds(self, num_sequences: int) -> float | None:
+        """How much longer a drafting step has recently taken at this batch size than plain
+        steps would for the tokens it emitted (0 where it gains); None before both kinds."""
+        samples = self._bucket(num_sequences)
+        if not samples.drafted or not samples.plain:
+            return None
+        tokens = sum(tokens for tokens, _ in samples.drafted) / len(samples.drafted)
+        return max(0.0, _mean_seconds(samples.drafted) - tokens / _rate(samples.plain))
+
     def decided(self, num_sequences: int, drafts: bool) -> None:
         samples = self._bucket(num_sequences)
         samples.drafts_since_plain = samples.drafts_since_plain + 1 if drafts else 0

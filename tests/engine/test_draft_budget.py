@@ -244,6 +244,23 @@ def test_probes_come_four_times_as_far_apart_while_drafting_trails_within_the_no
     assert plain == 16
 
 
+def test_probes_trailing_by_more_come_further_apart():
+    """Drafting at 0.8x (0.08 s of plain steps' time lost a step), still too uneven for a
+    verdict: probes 20 plain steps apart, where a 1% share of passes of 0.104 s lands."""
+    budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
+    for tokens_per_sequence in [0.2, 1.4] * 8:
+        budget.realized.record(False, 4, 4, 0.1)
+        budget.realized.record(True, 4, 4 * tokens_per_sequence, 0.1)
+    assert budget.realized.drafting_wins(4) is None
+    assert abs(budget.realized.lost_seconds(4) - 0.02) < 1e-9
+    assert budget.should_draft(4, 4)
+    budget.allocate(values(*[[0.5, 0.4]] * 4), 4)
+    plain = 0
+    while not budget.should_draft(4, 4):
+        plain += 1
+    assert plain == 20
+
+
 def test_steps_with_prompt_tokens_draft_only_on_a_clear_verdict():
     """A prefill chunk beside 4 decodes: neither a due probe nor the model's optimism drafts
     there, only realized rates that clearly favour drafting."""

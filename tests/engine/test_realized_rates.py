@@ -103,6 +103,16 @@ def test_a_verdict_needs_fewer_drafting_steps_the_more_sequences_each_has():
         assert rates.drafting_wins(num_sequences) is True, num_sequences
 
 
+def test_lost_seconds_is_a_drafting_step_less_the_plain_time_of_its_tokens():
+    rates = RealizedRates()
+    assert rates.lost_seconds(1) is None
+    record_steps(rates, False, [1, 1], 0.02)  # 50 tokens/s
+    record_steps(rates, True, [1, 2], 0.04)  # 1.5 tokens: 0.03 s of plain steps
+    assert abs(rates.lost_seconds(1) - 0.01) < 1e-9
+    record_steps(rates, True, [4, 4], 0.04)  # now 2.75 tokens a step in 0.04 s: a gain
+    assert rates.lost_seconds(1) == 0.0
+
+
 def test_extra_seconds_is_what_a_drafting_step_takes_beyond_a_plain_one():
     rates = RealizedRates()
     assert rates.extra_seconds(16) is None
