@@ -6,7 +6,8 @@ less than this shared machine's drift between two runs. So the two engines run t
 requests at once (MT-bench first turns, greedy, ``--max-tokens`` new tokens, EOS banned) in one
 process, taking turns one engine step at a time, and the figures are ratios of their summed step
 times. Per batch size: output tokens/s of each, their ratio, mean decode-step time and its phases
-(the head's propose, the target's verify), and the steps that verified drafts. Writes
+(the head's propose, the target's verify), the steps that verified drafts, and the full batch's
+decode steps split into drafting and plain ones (ms a step, tokens a sequence). Writes
 ``load_overhead.json`` and ``load_overhead.png`` to ``--out-dir``. From the repository root:
 
     .venv/bin/python benchmarks/bench_load_overhead.py    # ~5 minutes
@@ -66,8 +67,9 @@ def run_round(llms: dict[str, LLM], prompts, params, tag: str) -> dict[str, Engi
     return runs
 
 
-def summarize(runs: list[EngineRun]) -> dict:
-    """An engine's rounds at one batch size: tokens/s over all steps, and decode-step means."""
+def summarize(runs: list[EngineRun], batch: int) -> dict:
+    """An engine's rounds at one batch size: tokens/s over all steps, decode-step means, and
+    the decode steps with all `batch` requests running split by kind."""
     steps = [s for run in runs for s in run.steps]
     decode = [(seconds, stats) for seconds, stats in steps if stats.num_prompt_tokens == 0]
     seconds = sum(s for s, _ in steps)
@@ -80,7 +82,28 @@ def summarize(runs: list[EngineRun]) -> dict:
         "propose_ms": 1000 * sum(st.propose_time_s for _, st in decode) / len(decode),
         "verify_ms": 1000 * sum(st.verify_time_s for _, st in decode) / len(decode),
         "steps_verifying_drafts": sum(1 for _, st in decode if st.num_drafts),
+        "full_batch_steps": step_kinds(decode, batch),
     }
+
+
+def step_kinds(decode: list[tuple[float, StepStats]], batch: int) -> dict:
+    """Decode steps of all `batch` requests that verified drafts and those that did not: their
+    count, ms a step and tokens a sequence (what the realized rates compare)."""
+    kinds = {}
+    for kind, drafted in (("drafting", True), ("plain", False)):
+        steps = [
+            (seconds, stats)
+            for seconds, stats in decode
+            if stats.num_running == batch and bool(stats.num_drafts) == drafted
+        ]
+        if steps:
+            tokens = sum(stats.num_generation_tokens for _, stats in steps)
+            kinds[kind] = {
+                "steps": len(steps),
+                "step_ms": 1000 * sum(seconds for seconds, _ in steps) / len(steps),
+                "tokens_per_sequence": tokens / (batch * len(steps)),
+            }
+    return kinds
 
 
 def main() -> None:
@@ -108,7 +131,7 @@ def main() -> None:
             run_round(llms, prompts[:batch], params, f"{batch}-{r}") for r in range(args.rounds)
         ]
         row = {"batch": batch}
-        row.update({name: summarize([r[name] for r in rounds]) for name in llms})
+        row.update({name: summarize([r[name] for r in rounds], batch) for name in llms})
         row["eagle_over_ar"] = row["eagle"]["tok_s"] / row["ar"]["tok_s"]
         results.append(row)
         print(

@@ -49,8 +49,7 @@ pessimistic after a few early probes at 1, it backed its probes off and never dr
 Probes stay `probe_interval` apart until the realized rates show drafting behind at the batch
 size. Behind within the noise, they come 4 times as far apart, or further where the time its
 steps lose (their seconds less what plain steps would take for their tokens) is over 1% of that
-many plain steps' (at 8 sequences drafting steps took 82.9 ms for 1.43 tokens a sequence against
-plain ones' 45.9 ms for one, 17 ms lost: every 37 steps). Clearly behind, they back off so that
+many plain steps'. Clearly behind, they back off so that
 they cost at most 1% of decoding time (what a drafting step has recently taken beyond a plain one
 there, its drafting, larger pass and acceptance walk, over 1% of a plain step; at least
 `probe_interval` and at most 256 steps). On plain steps the head
@@ -198,6 +197,9 @@ class DraftBudget:
         at a loss), or further where what its steps lose would cost more than `_PROBE_SHARE`
         of the time; else `probe_interval`."""
         if self.realized.drafting_wins(num_sequences) is False:
+            # a probe's cost: its drafting, or all that drafting steps have really taken beyond
+            # a plain step here (their larger pass and walk too), their tokens not counted, so
+            # that the probes of a batch size where drafting is clearly dear stay rare
             realized = self.realized.extra_seconds(num_sequences) or 0.0
             extra = max(self._draft_seconds(num_sequences), realized)
             return self._probe_wait(extra, num_pass_tokens)
@@ -209,11 +211,7 @@ class DraftBudget:
 
     def _probe_wait(self, probe_cost: float, num_pass_tokens: int) -> int:
         """Plain steps between probes that cost `probe_cost` seconds each beyond what they
-        deliver, so that they take `_PROBE_SHARE` of the time (a plain step: its pass). A probe
-        known to lose costs its drafting, or all that drafting steps have really taken beyond a
-        plain step here (their larger pass and walk too) when known: their tokens are not
-        counted, so that the few probes of a batch size where drafting is clearly dear stay
-        rare."""
+        deliver, so that they take `_PROBE_SHARE` of the time (a plain step: its pass)."""
         steps = probe_cost / (_PROBE_SHARE * self._seconds(num_pass_tokens))
         return int(min(_MAX_PROBE_INTERVAL, max(self.probe_interval, math.ceil(steps))))
 

@@ -16,14 +16,14 @@ drafting steps say more than sixteen at one.
 A bucket that keeps drafting still needs a fresh plain step now and then to compare against: one
 every `plain_probe_interval` drafting decisions once drafting has clearly won there, one every
 `unsure_probe_interval` while both kinds have been seen and there is no verdict (drafting then goes
-by its lead over a plain window of eight steps). The machine drifts (a plain step of 8 sequences
-took 37 to 95 ms within a minute here), and a plain window refreshed once in 32 drafting steps
-kept a slow minute's plain rate for hundreds of steps: at 8 sequences drafting led it and ran at
-0.95x plain decoding's speed. Refreshed every 4, the lead goes when the slow minute does
-(bench_load_overhead at 8 requests, 4 rounds: 31 drafting steps of 506 and 0.963x AR, against
-136 of 491 and 0.944x). Where there is no verdict the two kinds are close, so a plain step costs
-next to nothing there. (The other way round, the budget's own probes keep the drafting side
-fresh.)
+by its lead over a plain window of eight steps). The machine drifts (AR's speed at 8 requests
+went from 141 to 185 tokens/s between runs of benchmarks/bench_load_overhead.py within an hour),
+and a plain window refreshed once in 32 drafting steps kept a slow spell's plain rate long after
+it: drafting led it at a loss. Refreshed every 4, the lead goes when the slow spell does
+(bench_load_overhead.py --batches 1,8 --rounds 4, with and without: at 8 requests 31 drafting
+steps of 506 and 0.963x AR, against 136 of 491 and 0.944x). Where there is no verdict the two
+kinds are close, so a plain step costs next to nothing there. (The other way round, the
+budget's own probes keep the drafting side fresh.)
 """
 
 from __future__ import annotations

@@ -245,8 +245,8 @@ def test_probes_come_four_times_as_far_apart_while_drafting_trails_within_the_no
 
 
 def test_probes_trailing_by_more_come_further_apart():
-    """Drafting at 0.8x (0.08 s of plain steps' time lost a step), still too uneven for a
-    verdict: probes 20 plain steps apart, where a 1% share of passes of 0.104 s lands."""
+    """Drafting at 0.8x (0.02 s lost a step against plain steps of 0.1 s), still too uneven for
+    a verdict: probes 20 plain steps apart, where a 1% share of passes of 0.104 s lands."""
     budget = DraftBudget(linear_cost(0.1, 0.001), probe_interval=4)
     for tokens_per_sequence in [0.2, 1.4] * 8:
         budget.realized.record(False, 4, 4, 0.1)
