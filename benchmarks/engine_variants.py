@@ -57,7 +57,7 @@ def compare_variants(
         row = {"batch": batch, "rounds": num_rounds}
         for name in llms:
             engine_runs = [r[name] for r in runs]
-            row[name] = summarize(engine_runs)
+            row[name] = summarize(engine_runs, batch)
             row[name]["acceptance_length"] = acceptance_length(engine_runs)
             row[name]["vs_reference"] = row[name]["tok_s"] / row[reference]["tok_s"]
             row[name]["same_outputs"] = all(

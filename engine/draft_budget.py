@@ -32,8 +32,9 @@ Otherwise, what it goes by, first to last:
   steps both; once 4 plain steps and 16 drafting steps have been seen (at one sequence; from 4
   sequences up 4 drafting steps, as each averages over its sequences) and their rates stand two
   standard errors apart, the faster kind is chosen (a bucket that drafts takes a plain step
-  every 32 drafting decisions once drafting has won there, every 4 while it drafts on a lead
-  alone, to keep its comparison fresh); while they stand closer than that,
+  every 32 drafting decisions once drafting has won there, every 4 to 32 while it drafts on a
+  lead alone, the larger the lead the further apart, to keep its comparison fresh); while they
+  stand closer than that,
   drafting only where its recent rate leads by 5% (probes going on as before: only a clear loss
   backs them off);
 - until then, the cost model's prediction of both rates for the step's batch, from the recent

@@ -14,16 +14,20 @@ sequences: a step's tokens per sequence average over all of them, so at 16 seque
 drafting steps say more than sixteen at one.
 
 A bucket that keeps drafting still needs a fresh plain step now and then to compare against: one
-every `plain_probe_interval` drafting decisions once drafting has clearly won there, one every
-`unsure_probe_interval` while both kinds have been seen and there is no verdict (drafting then goes
-by its lead over a plain window of eight steps). The machine drifts (AR's speed at 8 requests
-went from 141 to 185 tokens/s between runs of benchmarks/bench_load_overhead.py within an hour),
-and a plain window refreshed once in 32 drafting steps kept a slow spell's plain rate long after
-it: drafting led it at a loss. Refreshed every 4, the lead goes when the slow spell does
-(bench_load_overhead.py --batches 1,8 --rounds 4, with and without: at 8 requests 31 drafting
-steps of 506 and 0.963x AR, against 136 of 491 and 0.944x). Where there is no verdict the two
-kinds are close, so a plain step costs next to nothing there. (The other way round, the
-budget's own probes keep the drafting side fresh.)
+every `plain_probe_interval` drafting decisions once drafting has clearly won there; while both
+kinds have been seen and there is no verdict (drafting then goes by its lead over a plain window
+of eight steps), one every `unsure_probe_interval` where the lead is small, further apart the
+larger it is. The machine drifts (AR's speed at 8 requests went from 141 to 185 tokens/s between
+runs of benchmarks/bench_load_overhead.py within an hour), and a plain window refreshed once in
+32 drafting steps kept a slow spell's plain rate long after it: drafting led it at a loss.
+Refreshed every 4, the lead goes when the slow spell does (bench_load_overhead.py --batches 1,8
+--rounds 4, with and without: at 8 requests 31 drafting steps of 506 and 0.963x AR, against 136
+of 491 and 0.944x). A plain step there gives up little, the two kinds being close; where drafting
+leads by a fifth but its steps' luck still leaves it short of a verdict (one sequence: a drafting
+step emits 1 to 3 tokens), a plain step every 4 gave up 3% of the time, and a drift that could
+overturn a lead that large is slow. So the plain steps come as far apart as keeps what they give
+up under `_PLAIN_PROBE_SHARE` of the time (every 4 at a lead of 5%, every 16 at a fifth). (The
+other way round, the budget's own probes keep the drafting side fresh.)
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ _MIN_DRAFTED_STEPS = 4  # drafting steps before a verdict, however many sequence
 # the noise gains little when right, and at 4 sequences (drafting and plain steps within a few
 # percent of each other) a bare lean flipped between them and drafted at 0.93x overall.
 _LEAD_MARGIN = 0.05
+# Of the time, what plain steps taken to refresh the plain rate may give up while drafting leads
+# without a verdict (the draft budget's probes are held to the same share).
+_PLAIN_PROBE_SHARE = 0.01
 
 
 @dataclass
@@ -109,11 +116,20 @@ class RealizedRates:
         unsure = (
             self._seen_enough(samples, num_sequences) and self.drafting_wins(num_sequences) is None
         )
-        interval = self.unsure_probe_interval if unsure else self.plain_probe_interval
+        interval = self._unsure_interval(samples) if unsure else self.plain_probe_interval
         return samples.drafts_since_plain >= interval or (
             len(samples.plain) < self.min_plain
             and len(samples.drafted) >= self._min_drafted(num_sequences)
         )
+
+    def _unsure_interval(self, samples: _Bucket) -> int:
+        """Drafting decisions between plain steps in a bucket that drafts without a verdict: a
+        plain step there gives up `1 - plain rate / drafting rate` of a step's tokens, so one
+        in `interval + 1` steps gives up that over `interval + 1` of the time, kept under
+        `_PLAIN_PROBE_SHARE`; `unsure_probe_interval` at least, `plain_probe_interval` at most."""
+        given_up = max(0.0, 1 - _rate(samples.plain) / max(_rate(samples.drafted), 1e-9))
+        steps = math.ceil(given_up / _PLAIN_PROBE_SHARE) - 1
+        return min(self.plain_probe_interval, max(self.unsure_probe_interval, steps))
 
     def extra_seconds(self, num_sequences: int) -> float | None:
         """How much longer a drafting step has recently taken than a plain one at this batch

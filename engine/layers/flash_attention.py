@@ -153,8 +153,8 @@ def build_flash_attention_metadata(
     num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
     num_new = torch.tensor([s.num_new for s in sequences])  # [B]
     first_token = torch.cumsum(num_new, 0) - num_new  # [B] flat index of each one's first token
-    tables = used_block_tables(sequences, block_size)  # [B, max_blocks]
-    slot_mapping = entry_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
+    tables = torch.from_numpy(used_block_tables(sequences, block_size))  # [B, max_blocks]
+    slot_mapping = _entry_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
     window = torch.tensor([0 if s.tree_mask is None else s.tree_mask.shape[1] for s in sequences])
     num_keys = num_cached + num_new - window  # [B] keys of the varlen calls: a tree's prefix
     plain = [i for i, s in enumerate(sequences) if s.tree_mask is None]
@@ -188,7 +188,7 @@ def _varlen_batch(
 ) -> VarlenBatch:
     first_token, num_new, num_keys = first_token[rows], num_new[rows], num_keys[rows]  # [B_c]
     first_key = torch.cumsum(num_keys, 0) - num_keys  # [B_c] each one's first packed key
-    key_slots = entry_slots(
+    key_slots = _entry_slots(
         tables[rows], torch.zeros_like(num_keys), num_keys, first_key, block_size
     )
     query_rows = None  # every sequence of the step: the packed queries are q itself
@@ -204,6 +204,18 @@ def _varlen_batch(
         max_seqlen_q=int(num_new.max()),
         max_seqlen_k=int(num_keys.max()),
     )
+
+
+def _entry_slots(
+    tables: torch.Tensor,  # [B, max_blocks]
+    first_entry: torch.Tensor,  # [B]
+    num_entries: torch.Tensor,  # [B]
+    first_row: torch.Tensor,  # [B]
+    block_size: int,
+) -> torch.Tensor:  # [N]
+    """paged_attention.entry_slots (numpy) over CPU torch tensors."""
+    arrays = (tables, first_entry, num_entries, first_row)
+    return torch.from_numpy(entry_slots(*(a.numpy() for a in arrays), block_size))
 
 
 def _cumulative(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:

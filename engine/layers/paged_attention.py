@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -75,10 +76,15 @@ def build_attention_metadata(
     number of new tokens (power-of-two buckets: 1, 2, 3-4, 5-8, ...), one SDPA call per group, so
     padding at most doubles a group's queries. Without it (torch.compile, whose graphs must not
     change with the number of groups), one group holds them all.
+
+    The index arithmetic runs in numpy: it is a few dozen operations on arrays of a few to a few
+    thousand entries, where a torch operation's dispatch costs more than its work (in torch this
+    took 0.5-0.6 ms for one sequence, three times per drafting step: the head's two passes and
+    the target's).
     """
-    num_cached = torch.tensor([s.num_cached for s in sequences])  # [B]
-    num_new = torch.tensor([s.num_new for s in sequences])  # [B]
-    first_token = torch.cumsum(num_new, 0) - num_new  # [B] flat index of each one's first token
+    num_cached = np.array([s.num_cached for s in sequences], dtype=np.int64)  # [B]
+    num_new = np.array([s.num_new for s in sequences], dtype=np.int64)  # [B]
+    first_token = np.cumsum(num_new) - num_new  # [B] flat index of each one's first token
     tables = used_block_tables(sequences, block_size)  # [B, max_blocks]
     slot_mapping = entry_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
     members = _query_groups(num_new.tolist()) if group_queries else [list(range(len(sequences)))]
@@ -102,28 +108,29 @@ def build_attention_metadata(
         for rows in members
     )
     return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
+        slot_mapping=_tensor(slot_mapping, device),
         groups=groups,
         token_order=_token_order(members, first_token, num_new, device),
     )
 
 
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A contiguous torch tensor of `array` on `device` (no copy on the CPU)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
 def _token_order(
-    members: list[list[int]], first_token: torch.Tensor, num_new: torch.Tensor, device
+    members: list[list[int]], first_token: np.ndarray, num_new: np.ndarray, device
 ) -> torch.Tensor | None:
     """[T] row of each token in the groups' stacked outputs; None when that is token order."""
     if len(members) == 1:  # one group holds every sequence, in step order
         return None
-    stacked = torch.cat(
-        [
-            torch.arange(first_token[i], first_token[i] + num_new[i])
-            for rows in members
-            for i in rows
-        ]
+    stacked = np.concatenate(
+        [np.arange(first_token[i], first_token[i] + num_new[i]) for rows in members for i in rows]
     )  # [T] token behind each row of the stacked outputs
     if bool((stacked[1:] > stacked[:-1]).all()):  # the groups happen to run in step order
         return None
-    return stacked.argsort().to(device)
+    return _tensor(np.argsort(stacked, kind="stable"), device)
 
 
 def _query_groups(num_new: list[int]) -> list[list[int]]:
@@ -136,103 +143,104 @@ def _query_groups(num_new: list[int]) -> list[list[int]]:
 
 def _group(
     sequences: list[SequenceAttention],
-    tables: torch.Tensor,  # [B, max_blocks of the step]
-    num_cached: torch.Tensor,  # [B]
-    num_new: torch.Tensor,  # [B]
-    first_token: torch.Tensor,  # [B] flat index of each sequence's first new token
+    tables: np.ndarray,  # [B, max_blocks of the step]
+    num_cached: np.ndarray,  # [B]
+    num_new: np.ndarray,  # [B]
+    first_token: np.ndarray,  # [B] flat index of each sequence's first new token
     block_size: int,
     device: torch.device,
     sliding_window: int | None,
     dense: bool,
 ) -> AttentionGroup:
     context_len = num_cached + num_new  # [B]
-    tables = tables[:, : max(len(s.block_table) for s in sequences)].contiguous()  # [B, max_blocks]
+    tables = tables[:, : -(-int(context_len.max()) // block_size)]  # [B, the group's max_blocks]
     num_queries, num_keys = int(num_new.max()), tables.shape[1] * block_size
 
-    query_entry = num_cached[:, None] + torch.arange(num_queries)[None, :]  # [B, Q]
-    key_entry = torch.arange(num_keys)[None, None, :]  # [1, 1, C]
+    queries = np.arange(num_queries)  # [Q]
+    query_entry = num_cached[:, None] + queries[None, :]  # [B, Q]
+    key_entry = np.arange(num_keys)[None, None, :]  # [1, 1, C]
     mask = (key_entry <= query_entry[:, :, None]) & (key_entry < context_len[:, None, None])
     _apply_tree_masks(mask, sequences)  # [B, Q, C]
     if sliding_window is not None:
         query_pos, key_pos = _positions(sequences, num_queries, num_keys)
         mask &= query_pos[:, :, None] - key_pos[:, None, :] < sliding_window
-    valid_query = torch.arange(num_queries)[None, :] < num_new[:, None]  # [B, Q]
+    valid_query = queries[None, :] < num_new[:, None]  # [B, Q]
     mask &= valid_query[:, :, None]
     mask[:, :, 0] |= ~valid_query  # padded queries look at one key, so no row is empty (no NaN)
 
     query_index = output_index = None
+    query_token = first_token[:, None] + queries[None, :]  # [B, Q] flat token of each query
     if not dense:
-        query_index = torch.where(valid_query, first_token[:, None] + torch.arange(num_queries), 0)
-        flat_rows = torch.arange(len(sequences) * num_queries).view(-1, num_queries)  # [B, Q]
-        output_index = flat_rows[valid_query]  # [T_g]
+        query_index = _tensor(np.where(valid_query, query_token, 0), device)
+        flat_rows = np.arange(len(sequences) * num_queries).reshape(-1, num_queries)  # [B, Q]
+        output_index = _tensor(flat_rows[valid_query], device)  # [T_g]
     return AttentionGroup(
-        block_tables=tables.to(device),
-        mask=mask.unsqueeze(1).to(device),
-        query_index=None if query_index is None else query_index.to(device),
-        output_index=None if output_index is None else output_index.to(device),
-        first_token=first_token,
-        num_new=num_new,
-        tokens=(first_token[:, None] + torch.arange(num_queries))[valid_query],
+        block_tables=_tensor(tables, device),
+        mask=_tensor(mask[:, None], device),  # [B, 1, Q, C]
+        query_index=query_index,
+        output_index=output_index,
+        first_token=torch.from_numpy(first_token),
+        num_new=torch.from_numpy(num_new),
+        tokens=torch.from_numpy(query_token[valid_query]),
     )
 
 
 def entry_slots(
-    tables: torch.Tensor,  # [B, max_blocks]
-    first_entry: torch.Tensor,  # [B] each sequence's first entry wanted (new tokens: num_cached)
-    num_entries: torch.Tensor,  # [B] how many entries from there (new tokens: num_new)
-    first_row: torch.Tensor,  # [B] cumsum(num_entries) - num_entries: each one's first row
+    tables: np.ndarray,  # [B, max_blocks]
+    first_entry: np.ndarray,  # [B] each sequence's first entry wanted (new tokens: num_cached)
+    num_entries: np.ndarray,  # [B] how many entries from there (new tokens: num_new)
+    first_row: np.ndarray,  # [B] cumsum(num_entries) - num_entries: each one's first row
     block_size: int,
-) -> torch.Tensor:  # [N] flat cache slot of each wanted entry, sequence by sequence
-    row = torch.repeat_interleave(torch.arange(len(tables)), num_entries)  # [N] its sequence
-    entry = first_entry[row] + torch.arange(len(row)) - first_row[row]  # [N] its cache entry
+) -> np.ndarray:  # [N] flat cache slot of each wanted entry, sequence by sequence
+    row = np.repeat(np.arange(len(tables)), num_entries)  # [N] its sequence
+    entry = first_entry[row] + np.arange(len(row)) - first_row[row]  # [N] its cache entry
     return tables[row, entry // block_size] * block_size + entry % block_size
 
 
 def _positions(sequences: list[SequenceAttention], num_queries: int, num_keys: int):
     """Positions of queries [B, Q] and keys [B, C]: entry indices unless a sequence says."""
-    key_pos = torch.arange(num_keys).repeat(len(sequences), 1)  # [B, C]
-    query_pos = torch.zeros(len(sequences), num_queries, dtype=torch.long)  # [B, Q]
+    key_pos = np.tile(np.arange(num_keys), (len(sequences), 1))  # [B, C]
+    query_pos = np.zeros((len(sequences), num_queries), dtype=np.int64)  # [B, Q]
     for row, s in enumerate(sequences):
-        new = range(s.num_cached, s.num_cached + s.num_new)
+        new = slice(s.num_cached, s.num_cached + s.num_new)
         if s.positions is not None:
-            key_pos[row, new.start : new.stop] = torch.tensor(s.positions)
-        query_pos[row, : s.num_new] = key_pos[row, new.start : new.stop]
+            key_pos[row, new] = s.positions
+        query_pos[row, : s.num_new] = key_pos[row, new]
     return query_pos, key_pos
 
 
 def used_block_tables(
     sequences: list[SequenceAttention], block_size: int
-) -> torch.Tensor:  # [B, max_blocks]
+) -> np.ndarray:  # [B, max_blocks] int64
     """The blocks each sequence reads: those holding its context and new tokens. A block table
     may run further (a speculative engine keeps scratch room for draft trees after the context),
     and gathering those blocks would only add masked keys."""
     used = [s.block_table[: -(-(s.num_cached + s.num_new) // block_size)] for s in sequences]
-    tables = torch.zeros(len(sequences), max(map(len, used)), dtype=torch.long)
-    for row, blocks in enumerate(used):
-        tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-    return tables
+    width = max(map(len, used))
+    return np.array([blocks + [0] * (width - len(blocks)) for blocks in used], dtype=np.int64)
 
 
-def _apply_tree_masks(mask: torch.Tensor, sequences: list[SequenceAttention]) -> None:
+def _apply_tree_masks(mask: np.ndarray, sequences: list[SequenceAttention]) -> None:
     """Replace the causal mask over each tree's entries by its ancestor mask."""
     for row, s in enumerate(sequences):
         if s.tree_mask is not None:
             end = s.num_cached + s.num_new
-            mask[row, : s.num_new, end - s.tree_mask.shape[1] : end] = s.tree_mask
+            mask[row, : s.num_new, end - s.tree_mask.shape[1] : end] = s.tree_mask.cpu().numpy()
 
 
 def new_token_slots(
     sequences: list[SequenceAttention], block_size: int, device: torch.device
 ) -> torch.Tensor:  # [T] flat cache slot of each new token, sequence by sequence
     """Where the new tokens' K/V goes, for a pass that only stores it (no attention)."""
-    num_new = torch.tensor([s.num_new for s in sequences])  # [B]
-    return entry_slots(
+    num_new = np.array([s.num_new for s in sequences], dtype=np.int64)  # [B]
+    slots = entry_slots(
         used_block_tables(sequences, block_size),
-        torch.tensor([s.num_cached for s in sequences]),
+        np.array([s.num_cached for s in sequences], dtype=np.int64),
         num_new,
-        torch.cumsum(num_new, 0) - num_new,
+        np.cumsum(num_new) - num_new,
         block_size,
-    ).to(device)
+    )
+    return _tensor(slots, device)
 
 
 def store_kv(

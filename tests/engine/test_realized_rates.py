@@ -13,6 +13,16 @@ def record_steps(rates: RealizedRates, drafted: bool, tokens: list[float], secon
         rates.record(drafted, 1, num_tokens, seconds)
 
 
+def assert_plain_step_due_after(rates: RealizedRates, num_drafts: int) -> None:
+    """One sequence's bucket is due a plain step after `num_drafts` drafting decisions, not
+    before."""
+    for _ in range(num_drafts - 1):
+        rates.decided(1, drafts=True)
+    assert not rates.plain_probe_due(1)
+    rates.decided(1, drafts=True)
+    assert rates.plain_probe_due(1)
+
+
 def test_no_verdict_until_both_kinds_have_been_seen_enough():
     rates = RealizedRates(min_drafted=4, min_plain=4)
     record_steps(rates, True, [3, 3, 3, 3], 0.02)
@@ -74,20 +84,27 @@ def test_a_drafting_bucket_is_due_a_plain_step_after_its_interval():
 
 def test_a_bucket_drafting_without_a_verdict_refreshes_its_plain_rate_sooner():
     """Drafting chosen by a lead within the noise goes by a plain window that may be a slow
-    minute old: it is refreshed every `unsure_probe_interval` drafting decisions, not every
-    `plain_probe_interval`."""
+    minute old: with a lead of 5% it is refreshed every `unsure_probe_interval` drafting
+    decisions, not every `plain_probe_interval`."""
     rates = RealizedRates(plain_probe_interval=32, unsure_probe_interval=4, min_drafted=4)
-    record_steps(rates, True, [2, 1, 3, 1], 0.025)  # 70 tokens/s, give or take 30 ...
+    record_steps(rates, True, [2, 1, 1, 1.25], 0.025)  # 52.5 tokens/s, give or take 20 ...
     record_steps(rates, False, [1] * 4, 0.02)  # ... against 50: no verdict
     assert rates.drafting_wins(1) is None
-    for _ in range(3):
-        rates.decided(1, drafts=True)
-    assert not rates.plain_probe_due(1)
-    rates.decided(1, drafts=True)
-    assert rates.plain_probe_due(1)
+    assert_plain_step_due_after(rates, 4)
     record_steps(rates, True, [2] * 16, 0.025)  # now drafting clearly wins: the long interval
     assert rates.drafting_wins(1) is True
     assert not rates.plain_probe_due(1)
+
+
+def test_plain_steps_without_a_verdict_come_further_apart_the_larger_the_lead():
+    """A plain step gives up what drafting leads by: at a lead of a fifth (one sequence, whose
+    drafting steps' 1 to 2 tokens leave that short of a verdict), one every 4 drafting steps
+    gave up 3% of the time, so they come every 16, keeping that to 1%."""
+    rates = RealizedRates(plain_probe_interval=32, unsure_probe_interval=4, min_drafted=4)
+    record_steps(rates, True, [2, 1, 1, 2], 0.025)  # 60 tokens/s, give or take 23 ...
+    record_steps(rates, False, [1] * 4, 0.02)  # ... against 50: no verdict, a lead of 1.2x
+    assert rates.drafting_wins(1) is None
+    assert_plain_step_due_after(rates, 16)
 
 
 def test_a_verdict_needs_fewer_drafting_steps_the_more_sequences_each_has():
