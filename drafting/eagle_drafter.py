@@ -17,7 +17,6 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from drafting.acceptance import accept_at_node, accept_target_token
@@ -180,11 +179,8 @@ class EagleDrafter:
         candidates = Candidates.first_layer(
             self._draft_logprobs(root_features), k, self.draft_vocab
         )
-        depths = [self._depth_for(item.num_lookahead) for item in items]
-        num_keep = [self._num_keep(item.num_lookahead, d) for item, d in zip(items, depths)]
-        if self._no_node_can_pay(candidates, depths, num_keep, num_pass_tokens):
-            return [None] * batch
         sources = root_features[:, None, :].expand(-1, k, -1)  # [B, M, hidden] drafting feature
+        depths = [self._depth_for(item.num_lookahead) for item in items]
         rows = [_TreeRows() for _ in range(batch)]
         for layer in range(1, max(depths)):
             active = [b for b in range(batch) if depths[b] > layer]
@@ -199,28 +195,12 @@ class EagleDrafter:
             children_sources = torch.zeros(batch, k, k, out.shape[-1], device=self.device)
             children_sources[active] = out.view(len(active), k, 1, -1).expand(-1, -1, k, -1)
             sources = torch.cat([sources, children_sources.flatten(1, 2)], dim=1)
+        num_keep = [self._num_keep(item.num_lookahead, d) for item, d in zip(items, depths)]
         if self.budget is not None:
             num_keep = self.budget.allocate(_best_values(candidates, num_keep), num_pass_tokens)
         roots = [item.seq.token_ids[-1] for item in items]
         trees = rerank(candidates, roots, num_keep)
         return [tree if tree.num_draft_tokens else None for tree in trees]
-
-    def _no_node_can_pay(
-        self, candidates: Candidates, depths: list[int], num_keep: list[int], num_pass_tokens: int
-    ) -> bool:
-        """Whether the budget would keep no node of these trees whatever their deeper layers
-        hold (`DraftBudget.may_keep_nodes`, from the first layer's values). If so, it is shown
-        the first layer alone, as a whole tree's candidates with nothing deeper, and the trees
-        are not grown: no pass is spent on nodes that would not be verified."""
-        if self.budget is None or self.budget.may_keep_nodes(
-            candidates.values.max(dim=-1).values.cpu(), num_keep, num_pass_tokens
-        ):
-            return False
-        k = self.shape.top_k
-        width = k + (max(depths) - 1) * k * k  # a whole tree's candidates
-        first_layer = _best_values(candidates, num_keep)  # [B, k]
-        self.budget.allocate(F.pad(first_layer, (0, width - k), value=-torch.inf), num_pass_tokens)
-        return True
 
     def _expand(self, items, active, layer, candidates, chosen, sources, rows) -> torch.Tensor:
         """One head pass over the chosen nodes of layer `layer` of the active sequences."""

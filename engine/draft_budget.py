@@ -13,9 +13,7 @@ than a call of the acceptance walks (`node_logits_with_pass`, the runner's rule 
 walks' calls over the rows of the nodes they accept (the lm_head's cost by rows is measured too).
 The budget keeps the N nodes of highest value across all sequences, with N maximising that rate;
 N = 0 is plain decoding. A child's value never exceeds its parent's, so each sequence's kept nodes
-form a tree, and no node is worth more than its sequence's best first-layer node: before the
-trees grow past their first layer, `may_keep_nodes` checks whether nodes worth that much could
-pay at all, and where they could not, the drafter stops there and verifies nothing.
+form a tree.
 
 Drafting costs time too, spent before the values are known. So before drafting, the budget decides
 whether the step drafts at all. A step that also computes prompt tokens (prefill chunks beside
@@ -192,25 +190,6 @@ class DraftBudget:
             self.probing = False
             self.interval = self._next_probe_interval(batch, num_pass_tokens)
         return counts.tolist()
-
-    def may_keep_nodes(
-        self, best_values: torch.Tensor, num_keep: list[int], num_pass_tokens: int
-    ) -> bool:
-        """Whether `allocate` may keep any node of trees whose best first-layer nodes have the
-        path log-probabilities `best_values` [B], sequence b keeping at most `num_keep[b]`. A
-        child's value never exceeds its parent's, so no node of a sequence is worth more than
-        its best first-layer node: where even N nodes all worth that much, their acceptance
-        walks costing nothing, would not beat plain decoding for any N, `allocate` keeps none,
-        and the trees need not be grown further (at one request a third of the drafting
-        decisions kept no node in an ad hoc count, each after the whole drafting)."""
-        caps = best_values.exp().numpy() * self.calibration  # [B]
-        ceiling = np.sort(np.repeat(caps, num_keep))[::-1]  # [K] each keepable node's bound
-        expected = np.concatenate([[0.0], ceiling.cumsum()])  # [K + 1] bounds of E(N)
-        num_nodes = np.arange(len(expected))  # [K + 1] N
-        batch = len(num_keep)
-        free_walks = self._walk_seconds(np.zeros_like(expected), batch, num_nodes)  # [K + 1]
-        rate = (batch + expected) / (self._seconds(num_pass_tokens + num_nodes) + free_walks)
-        return bool(rate[1:].max(initial=0.0) > rate[0])
 
     def _next_probe_interval(self, num_sequences: int, num_pass_tokens: int) -> int:
         """Plain steps until the next probe at this batch size: backed off all the way once
