@@ -16,9 +16,10 @@ step, start-up and drain included, is reported beside.
 Two things about the requests matter to the ratio. Requests of one length started together
 finish together under AR, and the next ones are then prefilled in one large pass, while
 speculation's finish apart and are prefilled a few at a time beside the decodes, which costs more
-per prompt token (8 requests: 2.0 ms a prompt token against 2.6): a lockstep that real traffic,
-of varied lengths and arrivals, does not have. And a fixed set of requests started together
-drains unevenly under speculation at the end, a tail a steady stream of requests does not have.
+per prompt token (8 requests, `--one-length`: 3 steps at 2.15 ms a prompt token against 9 at
+3.19): a lockstep that real traffic, of varied lengths and arrivals, does not have. And a fixed
+set of requests started together drains unevenly under speculation at the end, a tail a steady
+stream of requests does not have.
 
 Per batch size: output tokens/s of each, their ratio, mean decode-step time and its phases (the
 head's propose, the target's verify), the steps that verified drafts, and the decode steps of all
@@ -113,9 +114,12 @@ def run_refilled(
     return runs
 
 
-def lengths(count: int, mean: int) -> list[SamplingParams]:
+def request_params(count: int, mean: int, spread: bool = True) -> list[SamplingParams]:
     """Greedy, EOS banned, `count` requests of `mean / 2` to `3 * mean / 2` new tokens, spread
-    evenly, in a fixed shuffled order (see the module's docstring for why not all `mean`)."""
+    evenly, in a fixed shuffled order (see the module's docstring for why not all `mean`); all
+    of `mean` without `spread`."""
+    if not spread:
+        return [SamplingParams(temperature=0, max_tokens=mean, min_tokens=mean)] * count
     low = mean // 2
     spread = [low + (i * mean) // max(count - 1, 1) for i in range(count)]  # low .. low + mean
     random.Random(0).shuffle(spread)
@@ -125,9 +129,12 @@ def lengths(count: int, mean: int) -> list[SamplingParams]:
 def summarize(runs: list[EngineRun], batch: int, steady_only: bool = False) -> dict:
     """An engine's rounds at one batch size: tokens/s over all steps (the steady ones only,
     with `steady_only`), decode-step means, and the decode steps with all `batch` requests
-    running split by kind."""
+    running split by kind, and the steps that computed prompt tokens (beside any decodes):
+    their count and ms a prompt token."""
     steps = [s for run in runs for s in (run.steps[run.steady] if steady_only else run.steps)]
     decode = [(seconds, stats) for seconds, stats in steps if stats.num_prompt_tokens == 0]
+    prefill = [(seconds, stats) for seconds, stats in steps if stats.num_prompt_tokens]
+    prompt_tokens = sum(stats.num_prompt_tokens for _, stats in prefill)
     seconds = sum(s for s, _ in steps)
     tokens = sum(stats.num_generation_tokens for _, stats in steps)
     return {
@@ -139,6 +146,8 @@ def summarize(runs: list[EngineRun], batch: int, steady_only: bool = False) -> d
         "verify_ms": 1000 * sum(st.verify_time_s for _, st in decode) / len(decode),
         "steps_verifying_drafts": sum(1 for _, st in decode if st.num_drafts),
         "full_batch_steps": step_kinds(decode, batch),
+        "prompt_steps": len(prefill),
+        "ms_per_prompt_token": 1000 * sum(s for s, _ in prefill) / max(prompt_tokens, 1),
     }
 
 
@@ -169,6 +178,9 @@ def main() -> None:
         "--rounds", type=int, default=3, help="requests per batch size B: (rounds + 1) x B"
     )
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--one-length", action="store_true", help="every request --max-tokens long (lockstep)"
+    )
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -186,7 +198,10 @@ def main() -> None:
     for batch in tqdm(batches, desc="batch sizes"):
         count = (args.rounds + 1) * batch
         requests = list(
-            zip(itertools.islice(itertools.cycle(prompts), count), lengths(count, args.max_tokens))
+            zip(
+                itertools.islice(itertools.cycle(prompts), count),
+                request_params(count, args.max_tokens, spread=not args.one_length),
+            )
         )
         runs = run_refilled(llms, requests, batch, f"{batch}")
         row = {"batch": batch}
@@ -201,13 +216,17 @@ def main() -> None:
             f" every step); decode step {row['ar']['decode_step_ms']:.1f}"
             f" vs {row['eagle']['decode_step_ms']:.1f} ms (propose"
             f" {row['eagle']['propose_ms']:.1f}), steps verifying drafts"
-            f" {row['eagle']['steps_verifying_drafts']}"
+            f" {row['eagle']['steps_verifying_drafts']}; prompt steps"
+            f" {row['ar']['prompt_steps']} vs {row['eagle']['prompt_steps']}"
+            f" ({row['ar']['ms_per_prompt_token']:.2f} vs"
+            f" {row['eagle']['ms_per_prompt_token']:.2f} ms a prompt token)"
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"model": MODEL, "max_tokens": args.max_tokens, "rounds": args.rounds, **options}
     settings["arrivals"] = (
-        "B requests kept running, refilled as they finish; lengths spread evenly over 0.5-1.5x"
-        " max_tokens; steady state: from the first B finished to the last admitted"
+        "B requests kept running, refilled as they finish; lengths "
+        + ("all max_tokens" if args.one_length else "spread evenly over 0.5-1.5x max_tokens")
+        + "; steady state: from the first B finished to the last admitted"
     )
     out = args.out_dir / "load_overhead.json"
     out.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")

@@ -24,7 +24,8 @@ Refreshed every 4, the lead goes when the slow spell does (bench_load_overhead.p
 --rounds 4, with and without: at 8 requests 31 drafting steps of 506 and 0.963x AR, against 136
 of 491 and 0.944x). A plain step there gives up little, the two kinds being close; where drafting
 leads by a fifth but its steps' luck still leaves it short of a verdict (one sequence: a drafting
-step emits 1 to 3 tokens), a plain step every 4 gave up 3% of the time, and a drift that could
+step emits 1 to 3 tokens), a plain step every 4 gives up a sixth of a step's tokens one step in
+five, 3% of the time, and a drift that could
 overturn a lead that large is slow. So the plain steps come as far apart as keeps what they give
 up under `_PLAIN_PROBE_SHARE` of the time (every 4 at a lead of 5%, every 16 at a fifth). (The
 other way round, the budget's own probes keep the drafting side fresh.)

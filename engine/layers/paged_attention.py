@@ -79,27 +79,25 @@ def build_attention_metadata(
 
     The index arithmetic runs in numpy: it is a few dozen operations on arrays of a few to a few
     thousand entries, where a torch operation's dispatch costs more than its work (in torch this
-    took 0.5-0.6 ms for one sequence, three times per drafting step: the head's two passes and
-    the target's).
+    took 0.42 ms for one sequence, numpy 0.13: benchmarks/bench_attention_metadata.py; three
+    calls per drafting step, the head's two passes and the target's).
     """
-    num_cached = np.array([s.num_cached for s in sequences], dtype=np.int64)  # [B]
-    num_new = np.array([s.num_new for s in sequences], dtype=np.int64)  # [B]
-    first_token = np.cumsum(num_new) - num_new  # [B] flat index of each one's first token
-    tables = used_block_tables(sequences, block_size)  # [B, max_blocks]
-    slot_mapping = entry_slots(tables, num_cached, num_new, first_token, block_size)  # [T]
-    members = _query_groups(num_new.tolist()) if group_queries else [list(range(len(sequences)))]
+    new = _NewTokens.of(sequences, block_size)
+    members = (
+        _query_groups(new.num_new.tolist()) if group_queries else [list(range(len(sequences)))]
+    )
     # The queries are a view of the step's tokens when one group holds sequences of equal query
     # counts. A compiled model takes that path for a single sequence only, so that one graph
     # serves every batch of several (equal counts or not).
-    dense = len(members) == 1 and int(num_new.min()) == int(num_new.max())
+    dense = len(members) == 1 and int(new.num_new.min()) == int(new.num_new.max())
     dense &= group_queries or len(sequences) == 1
     groups = tuple(
         _group(
             [sequences[i] for i in rows],
-            tables[rows],
-            num_cached[rows],
-            num_new[rows],
-            first_token[rows],
+            new.tables[rows],
+            new.num_cached[rows],
+            new.num_new[rows],
+            new.first_token[rows],
             block_size,
             device,
             sliding_window,
@@ -108,10 +106,30 @@ def build_attention_metadata(
         for rows in members
     )
     return AttentionMetadata(
-        slot_mapping=_tensor(slot_mapping, device),
+        slot_mapping=_tensor(new.slots, device),
         groups=groups,
-        token_order=_token_order(members, first_token, num_new, device),
+        token_order=_token_order(members, new.first_token, new.num_new, device),
     )
+
+
+@dataclass(frozen=True)
+class _NewTokens:
+    """A step's sequences as arrays, and the cache slot of each new token."""
+
+    num_cached: np.ndarray  # [B]
+    num_new: np.ndarray  # [B]
+    first_token: np.ndarray  # [B] flat index of each sequence's first new token
+    tables: np.ndarray  # [B, max_blocks] the blocks each sequence reads
+    slots: np.ndarray  # [T] flat cache slot of each new token, sequence by sequence
+
+    @classmethod
+    def of(cls, sequences: list[SequenceAttention], block_size: int) -> _NewTokens:
+        num_cached = np.array([s.num_cached for s in sequences], dtype=np.int64)
+        num_new = np.array([s.num_new for s in sequences], dtype=np.int64)
+        first_token = np.cumsum(num_new) - num_new
+        tables = used_block_tables(sequences, block_size)
+        slots = entry_slots(tables, num_cached, num_new, first_token, block_size)
+        return cls(num_cached, num_new, first_token, tables, slots)
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -232,15 +250,7 @@ def new_token_slots(
     sequences: list[SequenceAttention], block_size: int, device: torch.device
 ) -> torch.Tensor:  # [T] flat cache slot of each new token, sequence by sequence
     """Where the new tokens' K/V goes, for a pass that only stores it (no attention)."""
-    num_new = np.array([s.num_new for s in sequences], dtype=np.int64)  # [B]
-    slots = entry_slots(
-        used_block_tables(sequences, block_size),
-        np.array([s.num_cached for s in sequences], dtype=np.int64),
-        num_new,
-        np.cumsum(num_new) - num_new,
-        block_size,
-    )
-    return _tensor(slots, device)
+    return _tensor(_NewTokens.of(sequences, block_size).slots, device)
 
 
 def store_kv(
