@@ -1,37 +1,79 @@
-"""`aerie distill-data`: the target's own greedy answers, written resumably as train-head data."""
+"""`aerie distill-data`: conversations replayed turn by turn with the target's own answers, written
+resumably as train-head data."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from drafting.data import HOLDOUT_EVERY, load_conversations
-from drafting.distill import DistillConfig, _answers, distill
+from drafting.distill import DistillConfig, _answers, _is_sampled, distill
 from engine import LLM, SamplingParams
 from tests.drafting.test_training import write_jsonl
 
 
-def test_answers_are_the_targets_own_and_skip_the_held_out_slice(bigram_target, tmp_path):
-    source = write_jsonl(tmp_path / "source.jsonl", 12)
+def write_multi_turn(path, turns: list[int]):
+    """Conversations of `turns[i]` user turns each (with ShareGPT-style assistant replies)."""
+    with path.open("w") as out:
+        for index, count in enumerate(turns):
+            messages = [{"role": "system", "content": f"system {index}"}]
+            for turn in range(count):
+                messages.append({"role": "user", "content": f"question {index} {turn} " * 3})
+                messages.append({"role": "assistant", "content": "not the target's answer"})
+            out.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def replay_by_hand(llm: LLM, source: list[dict], max_tokens: int) -> list[dict]:
+    """What distillation must produce: each user turn answered greedily after earlier answers."""
+    messages = [m for m in source[:1] if m["role"] == "system"]
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+    for message in source:
+        if message["role"] == "user":
+            messages.append(message)
+            answer = llm.chat([messages], greedy, use_tqdm=False)[0].outputs[0].text
+            messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def test_each_turn_is_answered_after_the_targets_own_earlier_answers(bigram_target, tmp_path):
+    source = write_multi_turn(tmp_path / "source.jsonl", [1, 3, 2, 1, 4])
     out = tmp_path / "answers.jsonl"
-    config = DistillConfig(str(bigram_target), str(source), out, max_prompts=6, max_tokens=10)
+    config = DistillConfig(str(bigram_target), str(source), out, max_conversations=3, max_tokens=8)
     distill(config)
 
-    records = [json.loads(line)["messages"] for line in out.open()]
+    records = [json.loads(line) for line in out.open()]
     sources = list(load_conversations(str(source)))
-    kept = [c for i, c in enumerate(sources) if i % HOLDOUT_EVERY != 0][:6]
-    assert [r[:-1] for r in records] == [c[:1] for c in kept]
+    kept = [i for i in range(len(sources)) if i % HOLDOUT_EVERY != 0][:3]
+    assert [r["source"] for r in records] == kept
     llm = LLM(str(bigram_target), draft=None)
-    greedy = SamplingParams(temperature=0, max_tokens=10)
-    expected = llm.chat([c[:1] for c in kept], greedy, use_tqdm=False)
-    assert [r[-1] for r in records] == [
-        {"role": "assistant", "content": o.outputs[0].text} for o in expected
-    ]
+    for record, index in zip(records, kept):
+        assert record["messages"] == replay_by_hand(llm, sources[index], max_tokens=8)
+
+
+def test_turns_stop_where_the_context_would_overflow(bigram_target, tmp_path):
+    source = write_multi_turn(tmp_path / "source.jsonl", [1, 6])
+    out = tmp_path / "answers.jsonl"
+    config = DistillConfig(
+        str(bigram_target), str(source), out, max_tokens=8, max_context_tokens=90
+    )
+    distill(config)
+
+    messages = json.loads(out.read_text())["messages"]
+    llm = LLM(str(bigram_target), draft=None)
+    answered = sum(m["role"] == "assistant" for m in messages)
+    assert 1 <= answered < 6
+    assert messages[-1]["role"] == "assistant"
+    assert len(llm.apply_chat_template(messages[:-1])) + 8 <= 90  # the last turn fitted
+    next_turn = {"role": "user", "content": f"question 1 {answered} " * 3}
+    assert len(llm.apply_chat_template([*messages, next_turn])) + 8 > 90  # the next would not
 
 
 def test_a_rerun_repairs_a_cut_line_and_continues(bigram_target, tmp_path):
     source = write_jsonl(tmp_path / "source.jsonl", 12)
     out = tmp_path / "answers.jsonl"
-    config = DistillConfig(str(bigram_target), str(source), out, max_prompts=6, max_tokens=6)
+    config = DistillConfig(str(bigram_target), str(source), out, max_conversations=6, max_tokens=6)
     distill(config)
     whole = out.read_text()
 
@@ -41,24 +83,43 @@ def test_a_rerun_repairs_a_cut_line_and_continues(bigram_target, tmp_path):
     assert out.read_text() == whole
 
 
-def test_prompts_stream_through_two_slots_and_answers_keep_prompt_order(bigram_target, tmp_path):
-    # Two slots and 16 tokens a step: prompts are admitted as slots free up, long prompts prefill
-    # in chunks beside others' decodes, and each answer is written under its own prompt.
-    lengths = [90, 5, 7, 60, 6, 8, 33]
-    prompts = [([{"role": "user", "content": str(n)}], list(range(3, 3 + n))) for n in lengths]
+def test_the_sampled_share_is_spread_evenly_and_seeded(bigram_target, tmp_path):
+    assert [_is_sampled(i, 0.25) for i in range(8)] == [False, False, False, True] * 2
+    assert not any(_is_sampled(i, 0.0) for i in range(50))
+    assert all(_is_sampled(i, 1.0) for i in range(50))
+
+    source = write_jsonl(tmp_path / "source.jsonl", 12)
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.jsonl"
+        config = DistillConfig(
+            str(bigram_target), str(source), out, max_tokens=12, sampled_share=1.0
+        )
+        runs.append(distill(config).read_text())
+    assert runs[0] == runs[1]
+    greedy = DistillConfig(str(bigram_target), str(source), tmp_path / "g.jsonl", max_tokens=12)
+    assert distill(greedy).read_text() != runs[0]
+
+
+def test_an_invalid_share_is_refused():
+    with pytest.raises(ValueError, match="sampled_share"):
+        DistillConfig("m", "d", "o", sampled_share=1.5)
+
+
+def test_conversations_stream_through_two_slots_in_source_order(bigram_target):
+    # Two slots and 16 tokens a step: turns are admitted as slots free up, long prompts prefill
+    # in chunks beside others' decodes, and each record keeps its source's place.
+    lengths = [40, 2, 25, 3]
+    sources = [(i, [{"role": "user", "content": "word " * n}]) for i, n in enumerate(lengths)]
     llm = LLM(str(bigram_target), draft=None, max_num_seqs=2, max_num_batched_tokens=16)
     most_running = []
     llm.engine.stats_listeners.append(lambda stats: most_running.append(stats.num_running))
-    config = DistillConfig(str(bigram_target), "unused", tmp_path / "unused", max_tokens=6)
+    config = DistillConfig(str(bigram_target), "unused", "unused", max_tokens=6, max_num_seqs=2)
 
-    records = [json.loads(r)["messages"] for r in _answers(llm.engine, prompts, config, 0)]
+    records = [json.loads(r) for r in _answers(llm, sources, config)]
 
     assert max(most_running) == 2
-    greedy = SamplingParams(temperature=0, max_tokens=6)
-    expected = LLM(str(bigram_target), draft=None).generate(
-        [ids for _, ids in prompts], greedy, use_tqdm=False
-    )
-    assert records == [
-        [*turn, {"role": "assistant", "content": out.outputs[0].text}]
-        for (turn, _), out in zip(prompts, expected)
-    ]
+    assert [r["source"] for r in records] == [0, 1, 2, 3]
+    reference = LLM(str(bigram_target), draft=None)
+    for record, (_, messages) in zip(records, sources):
+        assert record["messages"] == replay_by_hand(reference, messages, max_tokens=6)
