@@ -49,7 +49,7 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_IN
 # The stage named by VARIANT (torch-cpu or torch-cuda), which hadolint cannot resolve.
 # hadolint ignore=DL3006
 FROM torch-${VARIANT} AS runtime
-# A C compiler: the engine builds its fused CPU kernels (engine/layers/cpu_kernels.c) for the
+# A C compiler: the engine builds its fused CPU kernels (engine/execution/layers/cpu_kernels.c) for the
 # host's CPU at first start, into the cache volume; without one it runs PyTorch's kernels.
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from engine import LLM, SamplingParams
-from engine.shipped_heads import resolve_draft
+from engine.spec.draft_method import resolve_draft
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"

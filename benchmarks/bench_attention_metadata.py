@@ -1,7 +1,7 @@
 """What building a step's attention metadata costs on the CPU, per call, for the shapes it runs at.
 
 Every pass (the target's, and the head's two per drafting step) first builds its metadata
-(engine/layers/paged_attention.py: slots, block tables, masks, query groups). It is index
+(engine/execution/layers/paged_attention.py: slots, block tables, masks, query groups). It is index
 arithmetic on small arrays, so what it costs is dispatch, not work; at one sequence it is paid
 three times per drafting step. The shapes, each timed in turn in every round so that the
 machine's drift hits all alike (block size 16, 300 cached entries): a decode of 1, 16 and 64
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
+from engine.execution.layers.paged_attention import SequenceAttention, build_attention_metadata
 
 from plotting import png_figure
 

@@ -5,7 +5,7 @@ block size 16, float32) over random K/V, for every (sequences, context entries, 
 sequence) point: decodes (one query), draft trees (a few, under an ancestor mask) and short
 chunks. Both paths store the new K/V and read the same cache: the fused one is
 `CpuKernels.paged_attention` with every group fused, SDPA the torch backend
-(engine/layers/paged_attention.py). The two take turns in every round, so the machine's drift
+(layers/paged_attention.py). The two take turns in every round, so the machine's drift
 hits both alike; the median of `--rounds` counts. Writes ``decode_attention.json`` and ``.png``
 to ``--out-dir``. From the repository root:
 
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.layers.cpu_kernels import load_cpu_kernels
-from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
-from engine.layers.paged_attention import paged_attention as sdpa_attention
+from engine.execution.layers.cpu_kernels import load_cpu_kernels
+from engine.execution.layers.paged_attention import SequenceAttention, build_attention_metadata
+from engine.execution.layers.paged_attention import paged_attention as sdpa_attention
 
 from plotting import png_figure
 

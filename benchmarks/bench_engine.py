@@ -54,8 +54,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.model_files import resolve_model_path
-from engine.shipped_heads import resolve_draft
+from engine.execution.model_files import resolve_model_path
+from engine.spec.draft_method import resolve_draft
 from engine.stats import StepStats
 
 from plotting import png_figure

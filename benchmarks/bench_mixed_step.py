@@ -3,7 +3,7 @@
 Under load, a new request's prompt is prefilled in chunks inside the steps that decode everyone
 else. If every sequence's queries are padded to the longest (one SDPA call for the batch), each
 decode pays for as many query rows as the chunk has tokens. Attention groups (sequences grouped by
-their number of new tokens, one SDPA call per group; engine/layers/paged_attention.py) avoid that.
+their number of new tokens, one SDPA call per group; layers/paged_attention.py) avoid that.
 
 For B decoding sequences (context 300 tokens) beside one 256-token prefill chunk, this times the
 default model's forward pass with groups (the engine's default), with one group (what a compiled
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
+from engine.execution.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.llm import LLM
 
 from plotting import png_figure

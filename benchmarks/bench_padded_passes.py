@@ -2,7 +2,7 @@
 
 On some CPUs a linear kernel is slower for one or two rows than for four (oneDNN on the AMD EPYC
 with AVX-512), so the engine times unpadded passes of 1-8 sequences at start-up and computes each
-small pass as the fastest size at least as large (`pad_linear_passes`, engine/linear_kernels.py).
+small pass as the fastest size at least as large (`pad_linear_passes`, execution/linear_kernels.py).
 AR and EAGLE, each with and without the padding, on the same requests, stepped in turns
 (engine_variants.py): per batch size, tokens/s and its ratio to padded AR's, the decode step, and
 whether the outputs equal padded AR's (each row's result does not depend on the others, so they

@@ -6,7 +6,7 @@ budget's start-up measurement runs it) under each variant below, and the model's
 Reports the median and the fastest of `--rounds` per variant:
 
 * the pass with the engine's fused CPU kernels (RMSNorm with the residual add, SiLU-and-mul,
-  rotary, K/V store and decode attention in C: engine/layers/cpu_kernels.py), and without
+  rotary, K/V store and decode attention in C: engine/execution/layers/cpu_kernels.py), and without
   them: PyTorch's kernels, as every variant below runs;
 * ablations, each leaving a piece out (the pass's output is then wrong; only its time counts):
   without the RMSNorms, without rotary, without attention (no K/V stored or read);
@@ -34,11 +34,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine.layers import attention, norm
-from engine.layers.cpu_kernels import use_cpu_kernels
-from engine.layers.cpu_linear import cpu_linears
-from engine.layers.direct_call import DirectCallModule
-from engine.layers.rotary import RotaryEmbedding
+from engine.execution.layers import attention, norm
+from engine.execution.layers.cpu_kernels import use_cpu_kernels
+from engine.execution.layers.cpu_linear import cpu_linears
+from engine.execution.layers.direct_call import DirectCallModule
+from engine.execution.layers.rotary import RotaryEmbedding
 from engine.llm import LLM
 
 from plotting import png_figure
@@ -80,7 +80,7 @@ PREVIOUS = {  # what each of the engine's earlier formulations patches back
     ],
     "nn.Module call path": [(DirectCallModule, "__call__", nn.Module.__call__)],
 }
-FUSED = "pass, fused CPU kernels"  # the only variant with engine/layers/cpu_kernels.c attached
+FUSED = "pass, fused CPU kernels"  # the only variant with layers/cpu_kernels.c attached
 VARIANTS = {
     FUSED: [],
     "pass": [],

@@ -42,7 +42,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from engine.model_files import resolve_model_path
+from engine.execution.model_files import resolve_model_path
 from server.serving_benchmark import BenchConfig, load_prompts, merge_results, run_benchmark
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

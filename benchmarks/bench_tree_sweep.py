@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine import LLM, SamplingParams
-from engine.shipped_heads import resolve_draft
+from engine.spec.draft_method import resolve_draft
 
 from plotting import png_figure
 

@@ -3,11 +3,11 @@
 Four formats of the same weights, each a full pass of the engine's model (paged attention, lm_head
 on each sequence's first row), swapped in turn within every round so that the machine's drift
 hits all four alike: BLAS on row-major weights (PyTorch's default) and on column-major ones
-(engine/layers/weight_layout.py, what a compiled model keeps and the eager engine's BLAS passes
+(layers/weight_layout.py, what a compiled model keeps and the eager engine's BLAS passes
 read), MKL-packed (`cblas_sgemm_pack` once; up to 16 rows, column-major BLAS above) and oneDNN's
 blocked layout, the last two as the eager engine's CpuLinears run them with BLAS serving no pass
-(engine/layers/cpu_linear.py). The eager engine chooses one of those two at start-up, and BLAS
-for passes of one or a few rows where it measures faster (engine/linear_kernels.py).
+(layers/cpu_linear.py). The eager engine chooses one of those two at start-up, and BLAS
+for passes of one or a few rows where it measures faster (engine/execution/linear_kernels.py).
 Two pass shapes: one sequence verifying N tokens (a draft tree) and N sequences decoding one token
 each (a batch). Reports the best of `--rounds` per point. Writes ``weight_layout.json`` and
 ``.png`` (``weight_layout_TAG.*`` with ``--tag``) to ``--out-dir``. From the repository root:
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine.layers.cpu_linear import ONEDNN, CpuLinear, LinearKernels, formats_available
-from engine.layers.weight_layout import column_major
+from engine.execution.layers.cpu_linear import ONEDNN, CpuLinear, LinearKernels, formats_available
+from engine.execution.layers.weight_layout import column_major
 from engine.llm import LLM
 
 from plotting import png_figure

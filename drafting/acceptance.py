@@ -4,7 +4,7 @@ At each node, p is the target's distribution for the next token (every sampling 
 penalties conditioned on the node's own path). The walk draws the token the target emits at that
 position exactly as plain decoding draws it: by the exponential race argmax(p / E), with E fresh
 exponential noise over the vocabulary from the request's own generator (`sample_from` in
-engine/logits_processing.py). If a child of the node carries that token, the child is accepted
+sampling/logits_processing.py). If a child of the node carries that token, the child is accepted
 and the walk descends into it; otherwise that token is the bonus and the walk ends (at a leaf,
 always).
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.draft_tree import DraftTree
-from engine.logits_processing import sample_from
+from engine.core.draft_tree import DraftTree
+from engine.sampling.logits_processing import sample_from
 
 
 def accept_at_node(

@@ -22,23 +22,23 @@ from torch import nn
 from drafting.acceptance import accept_at_node, accept_target_token
 from drafting.head import EagleHead
 from drafting.tree import ROOT, Candidates, rerank
-from engine.draft_budget import DraftBudget
-from engine.draft_tree import DraftTree
-from engine.drafter import Accepted, logits_context, sample_one_each
-from engine.layers.cpu_linear import CpuLinear, can_use_cpu_linear
-from engine.layers.fp16_linear import Fp16Linear, can_use_fp16_linear
-from engine.layers.paged_attention import (
+from engine.core.draft_tree import DraftTree
+from engine.core.request import Sequence
+from engine.core.scheduler import ScheduledSequence, SchedulerOutput
+from engine.execution.layers.cpu_linear import CpuLinear, can_use_cpu_linear
+from engine.execution.layers.fp16_linear import Fp16Linear, can_use_fp16_linear
+from engine.execution.layers.paged_attention import (
     SequenceAttention,
     build_attention_metadata,
     new_token_slots,
 )
-from engine.logits_processing import apply_penalties, target_probabilities, token_logprobs
-from engine.model_runner import ForwardOutput
-from engine.models.decoder import DecoderModel
+from engine.execution.model_runner import ForwardOutput
+from engine.execution.models.decoder import DecoderModel
+from engine.execution.verify_cost import FREE_LOGITS_ROWS
 from engine.outputs import TokenLogprob
-from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.sequence import Sequence
-from engine.verify_cost import FREE_LOGITS_ROWS
+from engine.sampling.logits_processing import apply_penalties, target_probabilities, token_logprobs
+from engine.spec.draft_budget import DraftBudget
+from engine.spec.drafter import Accepted, logits_context, sample_one_each
 
 # A sequence's rows before its newest, up to this many, run in the newest row's full head pass
 # instead of a K/V-only pass of their own (a drafting step brings its accepted tokens: 0 to depth).
@@ -113,7 +113,7 @@ class EagleDrafter:
         # A reduced draft vocabulary scores only the target's most frequent tokens: its lm_head
         # rows are a fraction of the full one, which dominates drafting for small targets.
         self.draft_vocab = head.draft_vocab  # [V_draft] target token ids, or None
-        # fp16_weights: an fp16 copy for FBGEMM's GEMM where it runs (engine/layers/fp16_linear.py)
+        # fp16_weights: an fp16 copy for FBGEMM's GEMM where it runs (layers/fp16_linear.py)
         self.draft_lm_head = _draft_lm_head(target.lm_head, self.draft_vocab, fp16_weights)
 
     # ------------------------------------------------------------------ propose

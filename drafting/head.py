@@ -15,17 +15,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.core.kv_cache import LayerShape
 from engine.errors import ModelLoadError
-from engine.kv_cache import LayerShape
-from engine.layers.attention import Attention
-from engine.layers.mlp import GatedMLP
-from engine.layers.norm import RMSNorm
-from engine.layers.paged_attention import AttentionMetadata
-from engine.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
-from engine.layers.weight_layout import use_column_major_weights
-from engine.layers.weights import FUSED_WEIGHTS, load_named_weights
-from engine.model_files import load_state_dict
-from engine.models.spec import ModelSpec
+from engine.execution.layers.attention import Attention
+from engine.execution.layers.mlp import GatedMLP
+from engine.execution.layers.norm import RMSNorm
+from engine.execution.layers.paged_attention import AttentionMetadata
+from engine.execution.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
+from engine.execution.layers.weight_layout import use_column_major_weights
+from engine.execution.layers.weights import FUSED_WEIGHTS, load_named_weights
+from engine.execution.model_files import load_state_dict
+from engine.execution.models.spec import ModelSpec
 
 _LAYER = "layers.0."
 _REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")

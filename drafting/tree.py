@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.draft_tree import DraftTree
+from engine.core.draft_tree import DraftTree
 
 ROOT = -1  # parent index of a layer-1 candidate
 

@@ -10,7 +10,7 @@ from engine.errors import (
 )
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

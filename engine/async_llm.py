@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.core.request import Request
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

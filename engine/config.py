@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from engine.errors import AerieError
-from engine.layers.flash_attention import BACKENDS as ATTENTION_BACKENDS
+from engine.execution.layers.flash_attention import BACKENDS as ATTENTION_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,17 +30,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_threads: int | None = None  # CPU threads for torch; None leaves torch's default
-    # torch.compile the target model (engine/compilation.py): faster steps, minutes of start-up
+    # torch.compile the target model (execution/compilation.py): faster steps, minutes of start-up
     enable_torch_compile: bool = False
     # fp32 on CPU: RMSNorm with the residual add, SiLU-and-mul, rotary, the K/V store and decode
-    # attention through the fused C kernels of engine/layers/cpu_kernels.py (built once with the
+    # attention through the fused C kernels of layers/cpu_kernels.py (built once with the
     # machine's C compiler); False: PyTorch's
     fused_cpu_kernels: bool = True
     # fp32 on CPU, eager: a pass of a few rows runs the linears padded with zero rows to the size
-    # measured fastest at start-up (engine/linear_kernels.py); False: as many rows as it has
+    # measured fastest at start-up (execution/linear_kernels.py); False: as many rows as it has
     pad_linear_passes: bool = True
     # "auto": flash-attn on CUDA in fp16/bf16 when it is installed, else torch's SDPA;
-    # "torch" always SDPA; "flash" insists on flash-attn (engine/layers/flash_attention.py)
+    # "torch" always SDPA; "flash" insists on flash-attn (layers/flash_attention.py)
     attention_backend: str = "auto"
     draft: str | None = None  # EAGLE-1/2 head folder; None: plain autoregressive decoding
     # The tree's defaults were chosen by benchmarks/bench_tree_sweep.py on this project's 2-core CPU
@@ -51,11 +51,11 @@ class EngineConfig:
     draft_depth: int = 2  # draft layers (head passes per step)
     draft_total_tokens: int = 4  # tree nodes verified per sequence at most, the root included
     # Each step verifies only the draft nodes worth their verify cost, across the batch, and
-    # skips drafting when plain decoding is faster (engine/draft_budget.py). False: every tree is
+    # skips drafting when plain decoding is faster (spec/draft_budget.py). False: every tree is
     # verified at draft_total_tokens.
     adaptive_draft_budget: bool = True
     # fp32 on CPU: the draft head's linears and the draft lm_head keep their weights in fp16 and
-    # multiply through FBGEMM's fp16 GEMM (engine/layers/fp16_linear.py): half of drafting's weight
+    # multiply through FBGEMM's fp16 GEMM (layers/fp16_linear.py): half of drafting's weight
     # reads; drafts only, so outputs do not change. False: fp32, as the target's
     fp16_draft_weights: bool = True
 

@@ -12,8 +12,8 @@ from engine.config import EngineConfig
 from engine.errors import AerieError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.shipped_heads import resolve_draft
+from engine.sampling.sampling_params import SamplingParams
+from engine.spec.draft_method import resolve_draft
 
 Prompt = str | list[int]
 Message = dict[str, Any]

@@ -16,28 +16,33 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.draft_budget import DraftBudget, StepOutcome, expected_tokens
-from engine.draft_tree import DraftTree
-from engine.drafter import Accepted, AutoregressiveDrafter, Drafter
+from engine.core.block_manager import BlockManager
+from engine.core.draft_tree import DraftTree
+from engine.core.request import Request, Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.stop_checker import append_token, held_back_length
 from engine.errors import InvalidRequestError
-from engine.layers.cpu_kernels import use_cpu_kernels
-from engine.layers.cpu_linear import use_cpu_linears
-from engine.layers.fp16_linear import use_fp16_linears
-from engine.model_files import load_config, load_state_dict, load_tokenizer, resolve_model_path
-from engine.model_runner import ForwardOutput, ModelRunner
-from engine.models.spec import ModelSpec
+from engine.execution.layers.cpu_kernels import use_cpu_kernels
+from engine.execution.layers.cpu_linear import use_cpu_linears
+from engine.execution.layers.fp16_linear import use_fp16_linears
+from engine.execution.model_files import (
+    load_config,
+    load_state_dict,
+    load_tokenizer,
+    resolve_model_path,
+)
+from engine.execution.model_runner import ForwardOutput, ModelRunner
+from engine.execution.models.spec import ModelSpec
+from engine.execution.verify_cost import measure_verify_cost
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.request import Request
 from engine.request_validation import validate_request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.sampling.sampling_params import SamplingParams
+from engine.spec.draft_budget import DraftBudget, StepOutcome, expected_tokens
+from engine.spec.draft_method import DraftHead, load_draft_method
+from engine.spec.drafter import Accepted, AutoregressiveDrafter, Drafter
 from engine.stats import FinishedRequestStats, StepStats
-from engine.stop_checker import append_token, held_back_length
-from engine.verify_cost import measure_verify_cost
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,7 @@ class LLMEngine:
         self.max_model_len = _max_model_len(config, self.spec)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
         state_dict = load_state_dict(path)
+        self.draft_method = load_draft_method() if config.draft else None
         head = self._load_head(config) if config.draft else None
         extra_layers = (head.kv_layer_shape,) if head else ()
         self.runner = ModelRunner(
@@ -90,27 +96,15 @@ class LLMEngine:
         self._ttfts: list[float] = []  # this step's samples for StepStats (seconds)
         self._itls: list[float] = []
 
-    def _load_head(self, config: EngineConfig):
-        from drafting.head import load_head  # drafting builds on the engine, not the reverse
-
-        return load_head(
+    def _load_head(self, config: EngineConfig) -> DraftHead:
+        return self.draft_method.load_head(
             config.draft, self.spec, self.max_model_len, config.torch_device, config.torch_dtype
         )
 
-    def _make_drafter(self, head) -> Drafter:
-        from drafting.eagle_drafter import EagleDrafter, TreeShape
-
-        shape = TreeShape(
-            self.config.draft_top_k, self.config.draft_depth, self.config.draft_total_tokens
-        )
-        return EagleDrafter(
-            head,
-            self.runner.model,
-            self.runner.kv_cache.layers[-1],
-            self.config.block_size,
-            shape,
-            self.budget,
-            self.config.fp16_draft_weights,
+    def _make_drafter(self, head: DraftHead) -> Drafter:
+        kv_layer = self.runner.kv_cache.layers[-1]  # the extra layer allocated for the head
+        return self.draft_method.make_drafter(
+            head, self.runner.model, kv_layer, self.config, self.budget
         )
 
     def _measure_budget(self) -> DraftBudget:

@@ -79,7 +79,7 @@ def _add_generate(commands) -> None:
 
 
 def _add_train_head(commands) -> None:
-    from drafting.trainer import TrainConfig
+    from drafting.training.trainer import TrainConfig
 
     cmd = commands.add_parser("train-head", help="train an EAGLE-2 draft head for a model")
     cmd.add_argument("--target", default=DEFAULT_MODEL, help="the model the head drafts for")
@@ -96,7 +96,7 @@ def _add_train_head(commands) -> None:
 
 
 def _add_distill_data(commands) -> None:
-    from drafting.distill import DistillConfig
+    from drafting.training.distill import DistillConfig
 
     cmd = commands.add_parser(
         "distill-data", help="answer training prompts with the target, for train-head --data"
@@ -170,7 +170,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
     llm = LLM(config.model, **_options_of(config))
@@ -195,13 +195,13 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _train_head(args: argparse.Namespace) -> None:
-    from drafting.trainer import TrainConfig, train_head
+    from drafting.training.trainer import TrainConfig, train_head
 
     print(f"head written to {train_head(_config_from_args(TrainConfig, args))}")
 
 
 def _distill_data(args: argparse.Namespace) -> None:
-    from drafting.distill import DistillConfig, distill
+    from drafting.training.distill import DistillConfig, distill
 
     print(f"answers written to {distill(_config_from_args(DistillConfig, args))}")
 
@@ -236,7 +236,7 @@ def _bench_serve(args: argparse.Namespace) -> None:
 def _convert(args: argparse.Namespace) -> None:
     import logging
 
-    from engine.model_files import resolve_model_path
+    from engine.execution.model_files import resolve_model_path
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     print(resolve_model_path(args.model))

@@ -8,7 +8,7 @@ import types
 import typing
 
 from engine.config import EngineConfig
-from engine.shipped_heads import resolve_draft
+from engine.spec.draft_method import resolve_draft
 
 _SKIPPED = {"model", "draft"}  # each command declares --model and --draft itself
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from engine.async_llm import AsyncLLM, EngineStepError
 from engine.errors import AerieError
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from server.errors import APIError, ClientDisconnected, api_error_from_engine, error_body
 from server.protocol import Usage, unix_time
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 

@@ -113,7 +113,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 def save_random_head(path: Path, target: Path, seed: int = 0) -> Path:
     """A randomly initialised EAGLE head for the tiny model in `target` (acceptance near zero)."""
     from drafting.head import EagleHead, HeadSpec, save_head
-    from engine.layers.rotary import RotaryEmbedding
+    from engine.execution.layers.rotary import RotaryEmbedding
 
     config = transformers.AutoConfig.from_pretrained(target)
     torch.manual_seed(seed)

@@ -18,9 +18,9 @@ def train_head_quickly(
     target_dir: Path, head_dir: Path, out_dir: Path, steps: int = 150, seed: int = 0
 ) -> Path:
     """Fine-tune the head in `head_dir` on greedy continuations of random prompts."""
-    from drafting.features import target_features
     from drafting.head import load_head, save_head
-    from drafting.train import TrainingExample, head_losses
+    from drafting.training.features import target_features
+    from drafting.training.objective import TrainingExample, head_losses
     from engine import LLM, SamplingParams
 
     rng = random.Random(seed)

@@ -5,8 +5,8 @@ blocks all come back."""
 from __future__ import annotations
 
 from engine import LLM
-from engine.realized_rates import RealizedRates
-from engine.verify_cost import VerifyCost
+from engine.execution.verify_cost import VerifyCost
+from engine.spec.realized_rates import RealizedRates
 from tests.drafting.test_speculative_generation import (
     GREEDY,
     assert_same_or_near_tie,

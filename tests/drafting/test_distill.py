@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from drafting.data import HOLDOUT_EVERY, load_conversations
-from drafting.distill import DistillConfig, _answers, _is_sampled, distill
+from drafting.training.data import HOLDOUT_EVERY, load_conversations
+from drafting.training.distill import DistillConfig, _answers, _is_sampled, distill
 from engine import LLM, SamplingParams
 from tests.drafting.test_training import write_jsonl
 

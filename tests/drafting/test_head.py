@@ -12,13 +12,13 @@ from safetensors.torch import load_file, save_file
 from drafting.head import load_head
 from engine import LLM, SamplingParams
 from engine.errors import ModelLoadError
-from engine.layers.paged_attention import (
+from engine.execution.layers.paged_attention import (
     SequenceAttention,
     build_attention_metadata,
     new_token_slots,
 )
-from engine.model_files import load_config
-from engine.models.spec import ModelSpec
+from engine.execution.model_files import load_config
+from engine.execution.models.spec import ModelSpec
 
 
 def target_spec(path) -> ModelSpec:

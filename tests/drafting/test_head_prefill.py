@@ -9,7 +9,7 @@ import math
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.draft_tree import DraftTree
+from engine.core.draft_tree import DraftTree
 from tests.drafting.test_speculative_generation import mixed_prompts
 
 

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from engine import linear_kernels
-from engine.layers.cpu_linear import (
+from engine.execution import linear_kernels
+from engine.execution.layers.cpu_linear import (
     MKL_PACKED,
     ONEDNN,
     CpuLinear,
@@ -18,7 +18,7 @@ from engine.layers.cpu_linear import (
     cpu_linears,
     formats_available,
 )
-from engine.layers.fp16_linear import Fp16Linear, can_use_fp16_linear
+from engine.execution.layers.fp16_linear import Fp16Linear, can_use_fp16_linear
 from tests.drafting.test_speculative_generation import (
     acceptance_length,
     assert_same_or_near_tie,

@@ -17,8 +17,8 @@ import transformers
 
 import drafting.eagle_drafter
 from engine import LLM, SamplingParams
-from engine.logits_processing import target_probabilities
-from engine.verify_cost import VerifyCost
+from engine.execution.verify_cost import VerifyCost
+from engine.sampling.logits_processing import target_probabilities
 from tests.drafting.conftest import SMALL_VOCAB
 
 VOCAB = SMALL_VOCAB

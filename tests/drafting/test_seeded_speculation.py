@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.verify_cost import VerifyCost
+from engine.execution.verify_cost import VerifyCost
 from tests.drafting.test_speculative_generation import mixed_prompts
 
 SETTINGS = {

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.logits_processing import LogitsContext, apply_penalties
+from engine.sampling.logits_processing import LogitsContext, apply_penalties
 from engine.stats import StepStats
 from tests.drafting.test_speculative_generation import NEAR_TIE, mixed_prompts
 

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.model_runner import ForwardOutput, ModelRunner
+from engine.execution.model_runner import ForwardOutput, ModelRunner
 from tests.engine.helpers import assert_block_invariants
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -9,16 +9,16 @@ import random
 import pytest
 import torch
 
-from drafting.data import load_conversations, tokenize_conversation
-from drafting.features import target_features
 from drafting.head import load_head
-from drafting.train import TrainingExample, head_losses, unrolled_predictions
-from drafting.trainer import TrainConfig, train_head
+from drafting.training.data import load_conversations, tokenize_conversation
+from drafting.training.features import target_features
+from drafting.training.objective import TrainingExample, head_losses, unrolled_predictions
+from drafting.training.trainer import TrainConfig, train_head
 from engine import LLM, SamplingParams
+from engine.core.kv_cache import KVCache
 from engine.errors import AerieError
-from engine.kv_cache import KVCache
-from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
-from engine.model_files import load_tokenizer
+from engine.execution.layers.paged_attention import SequenceAttention, build_attention_metadata
+from engine.execution.model_files import load_tokenizer
 
 
 def write_jsonl(path, count: int, seed: int = 0):

@@ -7,7 +7,7 @@ import math
 import torch
 
 from drafting.tree import ROOT, Candidates, rerank
-from engine.draft_tree import DraftTree
+from engine.core.draft_tree import DraftTree
 
 
 def logprobs_from(rows: list[dict[int, float]], vocab: int = 10) -> torch.Tensor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import itertools
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence
+from engine.core.block_manager import BlockManager
+from engine.core.request import Sequence
 
 BLOCK_SIZE = 4
 _seq_ids = itertools.count()

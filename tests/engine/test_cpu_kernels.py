@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from engine import SamplingParams
-from engine.layers.cpu_kernels import FUSED_MAX_QUERIES, load_cpu_kernels
-from engine.layers.paged_attention import (
+from engine.execution.layers.cpu_kernels import FUSED_MAX_QUERIES, load_cpu_kernels
+from engine.execution.layers.paged_attention import (
     SequenceAttention,
     build_attention_metadata,
     paged_attention,
 )
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.execution.layers.rotary import RotaryEmbedding, apply_rotary
 from tests.engine.helpers import FIRST_TEXT_TOKEN, tiny_llm
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
@@ -127,7 +127,7 @@ def test_greedy_text_is_the_same_with_and_without_the_kernels(kernels, generatio
 
 def test_without_a_compiler_the_engine_runs_pytorch_kernels(generation_model, monkeypatch, caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    with caplog.at_level(logging.WARNING, logger="engine.layers.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.execution.layers.cpu_kernels"):
         llm = tiny_llm(generation_model)
     assert llm.engine.runner.cpu_kernels is None
     assert "fused CPU kernels unavailable" in caplog.text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.cpu_linear import (
+from engine.execution.layers.cpu_linear import (
     MKL_PACKED,
     MKL_PACKED_MAX_ROWS,
     ONEDNN,

@@ -8,12 +8,11 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.request import Request, Sequence, SequenceStatus
+from engine.core.stop_checker import append_token
 from engine.outputs import RequestMetrics
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
-from engine.stop_checker import append_token
+from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.sampling.sampling_params import SamplingParams
 
 # 4 bytes in UTF-8, so 4 tokens below; "é" is 2.
 TEXT = "caf\u00e9 \U0001f600 ok"

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from engine.draft_budget import DraftBudget, StepOutcome
-from engine.verify_cost import VerifyCost, measure_verify_cost, node_logits_with_pass
+from engine.execution.verify_cost import VerifyCost, measure_verify_cost, node_logits_with_pass
+from engine.spec.draft_budget import DraftBudget, StepOutcome
 from tests.engine.helpers import tiny_engine
 
 

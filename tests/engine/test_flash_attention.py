@@ -1,4 +1,4 @@
-"""The flash-attn backend (engine/layers/flash_attention.py) on the CPU, with flash-attn's varlen
+"""The flash-attn backend (layers/flash_attention.py) on the CPU, with flash-attn's varlen
 kernel replaced by a torch stand-in of the same signature and semantics (`reference_varlen`):
 its merge, its metadata and its whole path equal the torch backend, for causal batches and draft
 trees, and the backend is chosen only where flash-attn can run. The real kernel needs a GPU and
@@ -15,7 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import AerieError
-from engine.layers.flash_attention import (
+from engine.execution.layers.flash_attention import (
     build_flash_attention_metadata,
     flash_paged_attention,
     flash_supports,
@@ -24,7 +24,7 @@ from engine.layers.flash_attention import (
     packed_lse,
     select_attention_backend,
 )
-from engine.layers.paged_attention import (
+from engine.execution.layers.paged_attention import (
     SequenceAttention,
     build_attention_metadata,
     paged_attention,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.fp16_linear import Fp16Linear, can_use_fp16_linear, use_fp16_linears
+from engine.execution.layers.fp16_linear import Fp16Linear, can_use_fp16_linear, use_fp16_linears
 
 pytestmark = pytest.mark.skipif(
     not can_use_fp16_linear(torch.zeros(1)), reason="needs a PyTorch with FBGEMM (x86)"

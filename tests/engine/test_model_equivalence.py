@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.request import Sequence
+from engine.core.scheduler import ScheduledSequence, SchedulerOutput
 from engine.llm_engine import LLMEngine
-from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.sequence import Sequence
 from tests.conftest import save_tiny_model
 from tests.engine.helpers import hf_logits, load_hf_model, random_prompt, tiny_engine
 

@@ -1,4 +1,4 @@
-"""Tests of engine.model_files: resolving, converting and reading model checkpoints."""
+"""Tests of engine.execution.model_files: resolving, converting and reading model checkpoints."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine import model_files
 from engine.errors import ModelLoadError
+from engine.execution import model_files
 from server import cli
 
 ALIAS = "smollm2-135m-instruct"

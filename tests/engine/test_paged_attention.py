@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.paged_attention import SequenceAttention, build_attention_metadata
+from engine.execution.layers.paged_attention import SequenceAttention, build_attention_metadata
 
 
 def test_keys_are_gathered_from_the_blocks_in_use_only():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from engine.realized_rates import RealizedRates
+from engine.spec.realized_rates import RealizedRates
 
 
 def record_steps(rates: RealizedRates, drafted: bool, tokens: list[float], seconds: float) -> None:

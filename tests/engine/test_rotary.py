@@ -1,4 +1,4 @@
-"""Rotary embeddings keep the config's scaling: engine/layers/rotary.py reads transformers 5's
+"""Rotary embeddings keep the config's scaling: layers/rotary.py reads transformers 5's
 `rope_parameters`, so the project must not admit a transformers that stores it elsewhere."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import transformers
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from engine.layers.rotary import rope_inverse_frequencies
+from engine.execution.layers.rotary import rope_inverse_frequencies
 from tests.conftest import tiny_config
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"

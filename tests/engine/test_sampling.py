@@ -1,4 +1,4 @@
-"""Unit tests of engine/logits_processing.py (and the sampler on top): filters, temperature,
+"""Unit tests of sampling/logits_processing.py (and the sampler on top): filters, temperature,
 penalties, logit bias, the min_tokens ban, greedy rows, and seeded sampling."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from engine.logits_processing import (
+from engine.sampling.logits_processing import (
     LogitsContext,
     apply_penalties,
     sample_from,
     target_probabilities,
     token_logprobs,
 )
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import sample
+from engine.sampling.sampling_params import SamplingParams
 
 EOS = 2
 VOCAB = 8

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import itertools
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, Sequence, SequenceStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.outputs import RequestMetrics
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from engine.sampling.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 SAMPLED_TOKEN = 7

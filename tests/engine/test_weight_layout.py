@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.cpu_linear import CpuLinear
-from engine.layers.weight_layout import use_column_major_weights
+from engine.execution.layers.cpu_linear import CpuLinear
+from engine.execution.layers.weight_layout import use_column_major_weights
 from tests.engine.helpers import tiny_engine
 
 

@@ -63,8 +63,8 @@ def test_the_server_drafts_with_the_shipped_head(default_server) -> None:
 def test_the_shipped_head_speculates_losslessly() -> None:
     """`LLM()` loads the head shipped for the default model; with whole trees verified every
     step, greedy decoding gives plain decoding's tokens and gets drafts accepted."""
+    from drafting.shipped_heads import shipped_head
     from engine import LLM, SamplingParams
-    from engine.shipped_heads import shipped_head
 
     assert shipped_head(DEFAULT_MODEL) is not None
     questions = ["Write a haiku about the sea.", "Explain what a CPU cache is."]

@@ -1,0 +1,186 @@
+"""`aerie distill-data`: the target's own answers to training conversations, as a JSONL of messages.
+
+A head learns to predict what the target will say, so its training answers are the target's own
+(self-distillation, as Medusa-2 and the EAGLE authors do), not ShareGPT's ChatGPT replies. Each
+source conversation is replayed turn by turn: the target answers the first user turn, then each
+later user turn after its own earlier answers, while the context fits `max_context_tokens`. A
+`sampled_share` of the conversations (chosen by index, so reruns agree) is answered at
+`sampled_temperature`, so heads also learn the text sampled requests produce; the rest greedily.
+
+Conversations stream through the engine's continuous batching, one turn of each in flight at a time
+(a finished turn's follow-up joins the batch at once and reuses its cached prefix). Records are
+written in source order as soon as those before them are, so a rerun continues after the last
+complete line: each record names its source conversation, and a rerun resumes after the last one.
+The held-out slice (`HOLDOUT_EVERY`) is skipped, as are conversations whose first turn does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+
+from tqdm import tqdm
+
+from drafting.training.data import HOLDOUT_EVERY, Message, load_conversations
+from engine.llm import LLM
+from engine.outputs import RequestOutput
+from engine.sampling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    target: str
+    data: str
+    out: Path
+    max_conversations: int = 2000  # records written
+    max_context_tokens: int = 2048  # a turn is answered only if its prompt plus answer fit
+    max_turns: int = 8  # user turns answered per conversation
+    max_tokens: int = 256  # per answer
+    sampled_share: float = 0.0  # of conversations answered by sampling
+    sampled_temperature: float = 0.7
+    max_num_seqs: int = 96  # turns generated at once
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sampled_share <= 1.0:
+            raise ValueError(f"sampled_share must lie in [0, 1], got {self.sampled_share}")
+        if self.max_tokens >= self.max_context_tokens:
+            raise ValueError("max_tokens must be below max_context_tokens")
+
+
+@dataclass
+class _Replay:
+    """One source conversation being answered by the target, one user turn at a time."""
+
+    index: int
+    source: list[Message]
+    messages: list[Message] = field(default_factory=list)  # distilled so far
+    next_turn: int = 0  # position in `source` of the next message to copy
+    turns_answered: int = 0
+    asked: Message | None = None  # the user turn being answered
+
+    def next_prompt(self) -> list[Message] | None:
+        """The messages up to the next user turn, or None when the source has none left."""
+        while self.next_turn < len(self.source):
+            message = self.source[self.next_turn]
+            self.next_turn += 1
+            if message["role"] == "user":
+                return [*self.messages, message]
+            if message["role"] == "system" and not self.messages:
+                self.messages.append(message)
+        return None
+
+    def record(self) -> str:
+        return json.dumps({"messages": self.messages, "source": self.index}) + "\n"
+
+
+def distill(config: DistillConfig) -> Path:
+    """Append the target's answers to `config.out` until it holds `max_conversations` records."""
+    out = Path(config.out)
+    done, last_source = _complete_records(out)
+    llm = LLM(config.target, draft=None, max_num_seqs=config.max_num_seqs)
+    sources = (s for s in _training_conversations(config) if s[0] > last_source)
+    total = config.max_conversations
+    bar = tqdm(total=total, initial=done, desc="distilling", unit="conversation")
+    with out.open("a") as file:
+        for record in islice(_answers(llm, sources, config), max(total - done, 0)):
+            file.write(record)
+            file.flush()
+            bar.update()
+    bar.close()
+    return out
+
+
+def _answers(llm: LLM, sources: Iterable[tuple[int, list[Message]]], config: DistillConfig):
+    """JSONL records of the replayed conversations, in source order. Twice `max_num_seqs`
+    conversations are kept in flight, so a finished one's slot is taken by the next at once."""
+    engine = llm.engine
+    sources = iter(sources)
+    pending: list[_Replay] = []  # in source order, until written
+    in_flight: dict[str, tuple[_Replay, RequestOutput | None]] = {}
+    while True:
+        while len(in_flight) < 2 * config.max_num_seqs:
+            item = next(sources, None)
+            if item is None:
+                break
+            replay = _Replay(*item)
+            pending.append(replay)
+            _submit_next_turn(llm, replay, config, in_flight)
+        if not engine.has_unfinished_requests():
+            break
+        for delta in engine.step():
+            replay, output = in_flight[delta.request_id]
+            if output is None:
+                in_flight[delta.request_id] = (replay, output := delta)
+            else:
+                output.merge(delta)
+            if output.finished:
+                del in_flight[delta.request_id]
+                answer = {"role": "assistant", "content": output.outputs[0].text}
+                replay.messages.extend([replay.asked, answer])
+                replay.turns_answered += 1
+                _submit_next_turn(llm, replay, config, in_flight)
+        yield from _written(pending, in_flight)
+    yield from _written(pending, in_flight)
+
+
+def _submit_next_turn(llm: LLM, replay: _Replay, config: DistillConfig, in_flight: dict) -> None:
+    """Queue the replay's next user turn, if it has one that fits; otherwise it is complete."""
+    if replay.turns_answered >= config.max_turns:
+        return
+    prompt = replay.next_prompt()
+    if prompt is None:
+        return
+    ids = llm.apply_chat_template(prompt)
+    if len(ids) + config.max_tokens > config.max_context_tokens:
+        return
+    replay.asked = prompt[-1]
+    request_id = f"{replay.index}:{replay.turns_answered}"
+    llm.engine.add_request(request_id, ids, _params(config, replay.index, replay.turns_answered))
+    in_flight[request_id] = (replay, None)
+
+
+def _written(pending: list[_Replay], in_flight: dict) -> Iterator[str]:
+    """Records of the leading complete replays (answered at least once), removed from `pending`."""
+    busy = {id(replay) for replay, _ in in_flight.values()}
+    while pending and id(pending[0]) not in busy:
+        replay = pending.pop(0)
+        if replay.turns_answered:
+            yield replay.record()
+
+
+def _params(config: DistillConfig, index: int, turn: int) -> SamplingParams:
+    sampled = _is_sampled(index, config.sampled_share)
+    return SamplingParams(
+        temperature=config.sampled_temperature if sampled else 0.0,
+        max_tokens=config.max_tokens,
+        seed=config.seed + 1000 * index + turn,
+    )
+
+
+def _is_sampled(index: int, share: float) -> bool:
+    """Whether conversation `index` is answered by sampling: spread evenly, `share` of them."""
+    return int((index + 1) * share) > int(index * share)
+
+
+def _training_conversations(config: DistillConfig) -> Iterator[tuple[int, list[Message]]]:
+    """(index, messages) of each source conversation outside the held-out slice."""
+    for index, messages in enumerate(load_conversations(config.data)):
+        if index % HOLDOUT_EVERY != 0:
+            yield index, messages
+
+
+def _complete_records(path: Path) -> tuple[int, int]:
+    """How many whole records `path` holds and the source index of the last (-1 if none); a line
+    cut off by an interruption is removed."""
+    if not path.exists():
+        return 0, -1
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]
+    if complete != text:
+        path.write_text(complete)
+    lines = complete.splitlines()
+    return len(lines), json.loads(lines[-1])["source"] if lines else -1

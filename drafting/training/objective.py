@@ -1,0 +1,161 @@
+"""The EAGLE-1/2 training objective, optionally unrolled over several drafting steps.
+
+For each position i the head reads token i + 1 and the target's feature at i (plus small uniform
+noise) and predicts the feature at i + 1. Loss: smooth-L1 to that feature (weight 1.0) plus the
+cross-entropy between the target's next-token distribution and the head's, both through the frozen
+lm_head (weight 0.1), on the positions the loss mask keeps (assistant tokens).
+
+When drafting, only the first level of a tree reads a target feature: deeper nodes read the head's
+own prediction of their parent's feature, and attend to their ancestors' K/V, which were computed
+from predictions too. `unroll_steps` > 1 trains that situation (the "training-time test" of HASS
+and EAGLE-3): step s feeds each position the head's step s - 1 prediction for it, and attends to
+the target-fed entries up to its tree's root plus the one entry per earlier step on its own draft
+path, exactly as a draft chain of depth s would. Step s's loss is weighted `UNROLL_DECAY ** s`.
+
+A head with a reduced draft vocabulary only ever scores those tokens, so its cross-entropy uses
+only their lm_head rows (both distributions renormalised over them). For a small target this is
+most of the training cost saved: the full lm_head is several times the head itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from drafting.head import EagleHead
+from engine.core.kv_cache import KVCache
+from engine.execution.layers.paged_attention import (
+    AttentionMetadata,
+    SequenceAttention,
+    build_attention_metadata,
+)
+from engine.execution.models.decoder import DecoderModel
+
+FEATURE_WEIGHT = 1.0
+TOKEN_WEIGHT = 0.1
+UNROLL_DECAY = 0.8
+
+
+@dataclass(frozen=True)
+class TrainingExample:
+    token_ids: torch.Tensor  # [T] long
+    features: torch.Tensor  # [T, hidden] target features
+    loss_mask: torch.Tensor  # [T] bool: positions whose next token is trained on
+
+
+@dataclass(frozen=True)
+class StepLosses:
+    feature: float  # of the first step
+    token: float  # of the first step
+    accuracy: tuple[float, ...]  # per step: how often the head's top token equals the target's
+
+
+def head_losses(
+    head: EagleHead,
+    target: DecoderModel,
+    batch: list[TrainingExample],
+    noise: float = 0.2,
+    unroll_steps: int = 1,
+) -> tuple[torch.Tensor, StepLosses]:
+    """The weighted loss (for backward) and its parts, for a batch of examples."""
+    lengths = [len(e.token_ids) - 1 for e in batch]  # position i predicts i + 1
+    device = head.fc.weight.device
+    next_tokens = torch.cat([e.token_ids[1:] for e in batch]).to(device)  # [N]
+    features = torch.cat([e.features[:-1] for e in batch]).to(device).float()  # [N, hidden]
+    targets = torch.cat([e.features[1:] for e in batch]).to(device).float()  # [N, hidden]
+    mask = torch.cat([e.loss_mask[:-1] for e in batch]).to(device)  # [N]
+    features = features + (torch.rand_like(features) - 0.5) * noise
+    predictions = unrolled_predictions(
+        head, target.embed_tokens, next_tokens, features, lengths, unroll_steps
+    )  # unroll_steps x [N, hidden]
+    weight = target.lm_head.weight  # [vocab, hidden]
+    if head.draft_vocab is not None:
+        weight = weight[head.draft_vocab]  # [V_draft, hidden]
+    positions = _positions(lengths, device)  # [N]
+    loss, parts = 0.0, []
+    for step, predicted in enumerate(predictions):
+        valid = mask & (positions >= step)  # step s's first s positions have no drafted input
+        feature_loss, token_loss, accuracy = _losses(predicted[valid], targets[valid], weight)
+        loss = loss + UNROLL_DECAY**step * (
+            FEATURE_WEIGHT * feature_loss + TOKEN_WEIGHT * token_loss
+        )
+        parts.append((feature_loss.item(), token_loss.item(), accuracy))
+    (feature, token, _), accuracies = parts[0], tuple(a for _, _, a in parts)
+    return loss, StepLosses(feature, token, accuracies)
+
+
+def _positions(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """[sum(lengths)] each position's index in its own sequence."""
+    return torch.cat([torch.arange(n) for n in lengths]).to(device)
+
+
+def _losses(predicted: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor):
+    """Smooth-L1 to the target features, soft cross-entropy through `weight` ([V, hidden]) and
+    top-1 agreement, for predicted and target features [M, hidden]."""
+    feature_loss = F.smooth_l1_loss(predicted, targets)
+    with torch.no_grad():
+        target_probs = torch.softmax(F.linear(targets, weight).float(), dim=-1)  # [M, V]
+    head_logprobs = torch.log_softmax(F.linear(predicted, weight).float(), dim=-1)  # [M, V]
+    token_loss = -(target_probs * head_logprobs).sum(-1).mean()
+    with torch.no_grad():
+        accuracy = (head_logprobs.argmax(-1) == target_probs.argmax(-1)).float().mean().item()
+    return feature_loss, token_loss, accuracy
+
+
+def unrolled_predictions(
+    head: EagleHead,
+    target_embedding: torch.nn.Embedding,
+    next_tokens: torch.Tensor,  # [N] token i + 1 of each position i, sequences concatenated
+    features: torch.Tensor,  # [N, hidden] the target's feature at each position
+    lengths: list[int],  # positions per sequence
+    steps: int,
+) -> list[torch.Tensor]:  # steps x [N, hidden]: each step's predicted next features
+    """The head's predictions at each drafting depth, every position taken as a draft path's end.
+
+    Step s (0-based) at position i reads the head's step s - 1 prediction of feature i (made at
+    position i - 1) and sees the target-fed entries up to i - s and, of each later step k, the entry
+    at i - s + k. Its first s positions have no such input: they read the target feature, and no
+    other position sees them.
+    """
+    device = features.device
+    cache = KVCache(
+        [head.kv_layer_shape], len(lengths), steps * max(lengths), features.dtype, device
+    )
+    starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)  # [B] first position
+    positions = _positions(lengths, device)  # [N]
+    inputs, predictions = features, []
+    for step in range(steps):
+        meta = _unrolled_step_metadata(lengths, step, cache.block_size, device)
+        predicted = head(next_tokens, inputs, positions, cache.layers[0], meta, target_embedding)
+        predictions.append(predicted)  # [N, hidden]
+        inputs = torch.cat((features[:1], predicted[:-1]))  # [N, hidden] shifted one position
+        inputs[starts] = features[starts]  # a sequence's first position has no predecessor
+    return predictions
+
+
+def _unrolled_step_metadata(
+    lengths: list[int], step: int, block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Sequence b owns block b; step s writes its n entries after the s * n of earlier steps."""
+    sequences = [
+        # step 0 is the plain causal pass: the default mask, no tree mask to build
+        SequenceAttention(
+            [block], step * n, n, tree_mask=_draft_path_mask(n, step) if step else None
+        )
+        for block, n in enumerate(lengths)
+    ]
+    return build_attention_metadata(sequences, block_size, device)
+
+
+def _draft_path_mask(n: int, step: int) -> torch.Tensor:  # [n, (step + 1) n]
+    """Which entries of steps 0..step each of a sequence's n step-`step` queries sees."""
+    position = torch.arange(n)[:, None]  # [n, 1] the query's position
+    entry = torch.arange((step + 1) * n)[None, :]  # [1, (s + 1) n] keys of steps 0..s
+    key_step, key_position = entry // n, entry % n
+    return torch.where(
+        key_step == 0,
+        key_position <= position - step,  # the target-fed context up to the path's root
+        key_position == position - step + key_step,  # the path's entry at each later step
+    )

@@ -1,0 +1,348 @@
+"""`aerie train-head`: train an EAGLE-1/2 head for a target model, on CPU or CUDA.
+
+Stage 1 runs the target once over the training conversations and caches its features (fp16,
+sharded on disk), so the epochs of stage 2 never rerun the target. Stage 2 trains the head with the
+EAGLE recipe (objective.py), checkpointing as it goes (`--resume` continues), and after each
+epoch writes the head in the published EAGLE format and measures its acceptance length with the
+real engine on held-out conversations. `OUT/head` is the epoch that measured best (a small head
+overfits a small corpus, so the last epoch is not always the best); `OUT/last-head` the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from itertools import islice
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from drafting.head import EagleHead, HeadSpec, load_head, save_head
+from drafting.training.data import HOLDOUT_EVERY, load_conversations, tokenize_conversation
+from drafting.training.features import target_features
+from drafting.training.objective import TrainingExample, head_losses
+from engine.errors import AerieError
+from engine.execution.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
+from engine.llm import LLM
+from engine.sampling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    target: str
+    data: str
+    out: Path
+    max_conversations: int | None = None
+    max_tokens: int = 1024  # per conversation
+    epochs: int = 4
+    batch_tokens: int = 4096  # tokens per optimizer step
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    grad_clip: float = 0.5
+    noise: float = 0.2
+    checkpoint_every: int = 50  # optimizer steps
+    shard_tokens: int = 65536
+    eval_conversations: int = 16
+    eval_max_tokens: int = 64
+    draft_vocab_size: int = 0  # > 0: the head proposes only the most frequent assistant tokens
+    unroll_steps: int = 1  # > 1: also train on the head's own predictions (drafting depths 2..)
+    init_head: str | None = None  # start from this head's weights (and its draft vocabulary)
+    resume: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.unroll_steps < 1:
+            raise AerieError(f"--unroll-steps must be at least 1, got {self.unroll_steps}")
+
+
+class HeadTrainer:
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.out = Path(config.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(config.seed)
+        self.llm = LLM(config.target, draft=None, num_kv_blocks=64)
+        self.target = self.llm.engine.runner.model.requires_grad_(False)
+        self.hf_config = self.llm.engine.hf_config
+
+    # ------------------------------------------------------------------ stage 1
+    def cache_features(self) -> list[Path]:
+        """Shards of (token ids, loss mask, fp16 features); existing shards are kept."""
+        folder = self.out / "features"
+        folder.mkdir(exist_ok=True)
+        done = sorted(folder.glob("shard-*.safetensors"))
+        if (folder / "complete").exists():
+            return done
+        conversations = self._training_conversations()
+        pending: list = []
+        shard_index, skip_tokens = len(done), self._tokens_in(done)
+        seen_tokens = 0
+        bar = tqdm(desc="stage 1: target features", unit="tok", unit_scale=True)
+        for conversation in conversations:
+            seen_tokens += len(conversation.token_ids)
+            if seen_tokens <= skip_tokens:
+                continue  # already in a shard from an earlier run
+            pending.append(conversation)
+            if sum(len(c.token_ids) for c in pending) >= self.config.shard_tokens:
+                self._write_shard(folder, shard_index, pending, bar)
+                shard_index, pending = shard_index + 1, []
+        if pending:
+            self._write_shard(folder, shard_index, pending, bar)
+        bar.close()
+        (folder / "complete").write_text("")
+        return sorted(folder.glob("shard-*.safetensors"))
+
+    def _training_conversations(self):
+        tokenizer = self.llm.get_tokenizer()
+        conversations = load_conversations(self.config.data)
+        if self.config.max_conversations:
+            conversations = islice(conversations, self.config.max_conversations)
+        for index, messages in enumerate(conversations):
+            if index % HOLDOUT_EVERY == 0:
+                continue
+            tokenized = tokenize_conversation(tokenizer, messages, self.config.max_tokens)
+            if tokenized is not None:
+                yield tokenized
+
+    def held_out_prompts(self) -> list[list[int]]:
+        """First user turns of held-out conversations, through the chat template."""
+        prompts = []
+        for index, messages in enumerate(load_conversations(self.config.data)):
+            if index % HOLDOUT_EVERY == 0 and messages[0]["role"] == "user":
+                prompts.append(self.llm.apply_chat_template(messages[:1]))
+            if len(prompts) == self.config.eval_conversations:
+                break
+        return prompts
+
+    @staticmethod
+    def _tokens_in(shards: list[Path]) -> int:
+        return sum(int(load_file(str(s))["token_ids"].numel()) for s in shards)
+
+    def _write_shard(self, folder: Path, index: int, conversations: list, bar) -> None:
+        started = time.perf_counter()
+        sequences = [c.token_ids for c in conversations]
+        features = []
+        for chunk in _length_batches(sequences, 4096):
+            features += target_features(self.target, chunk)
+        tensors = {
+            "token_ids": torch.tensor([t for s in sequences for t in s], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for c in conversations for m in c.loss_mask]),
+            "lengths": torch.tensor([len(s) for s in sequences], dtype=torch.int32),
+            "features": torch.cat(features).half(),
+        }
+        path = folder / f"shard-{index:05d}.safetensors"
+        save_file(tensors, str(path.with_suffix(".tmp")))
+        os.replace(path.with_suffix(".tmp"), path)
+        tokens = int(tensors["token_ids"].numel())
+        bar.update(tokens)
+        bar.set_postfix(shard=index, tok_per_s=f"{tokens / (time.perf_counter() - started):.0f}")
+
+    # ------------------------------------------------------------------ stage 2
+    def train(self, shards: list[Path]) -> Path:
+        examples = [e for shard in shards for e in _read_shard(shard)]
+        if self.config.init_head:
+            head = self._initial_head(self.config.init_head)
+        else:
+            head = self._new_head()
+            if self.config.draft_vocab_size:
+                head.draft_vocab = frequent_tokens(examples, self.config.draft_vocab_size)
+        optimizer = torch.optim.AdamW(head.parameters(), lr=self.config.lr, weight_decay=0.0)
+        steps_per_epoch = max(
+            1, sum(len(e.token_ids) for e in examples) // self.config.batch_tokens
+        )
+        total_steps = steps_per_epoch * self.config.epochs
+        state = self._resume(head, optimizer)
+        prompts = self.held_out_prompts()
+        for epoch in range(state["epoch"], self.config.epochs):
+            batches = _token_batches(
+                examples, self.config.batch_tokens, random.Random(self.config.seed + epoch)
+            )
+            bar = tqdm(
+                batches,
+                desc=f"stage 2: epoch {epoch + 1}/{self.config.epochs}",
+                initial=state["batch"],
+                total=len(batches),
+            )
+            for index in range(state["batch"], len(batches)):
+                self._step(head, optimizer, batches[index], state, total_steps, bar)
+                state["batch"] = index + 1
+                if state["step"] % self.config.checkpoint_every == 0:
+                    self._checkpoint(head, optimizer, state)
+            bar.close()
+            state.update(epoch=epoch + 1, batch=0)
+            length = self._evaluate(head, prompts, epoch + 1)
+            if length > state.get("best_acceptance_length", 0.0):
+                shutil.copytree(self.out / "last-head", self.out / "head", dirs_exist_ok=True)
+                state["best_acceptance_length"] = length
+            self._checkpoint(head, optimizer, state)
+        return self.out / "head"
+
+    def _step(self, head, optimizer, batch, state, total_steps, bar) -> None:
+        started = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(self.config, state["step"], total_steps)
+        loss, parts = head_losses(
+            head, self.target, batch, self.config.noise, self.config.unroll_steps
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), self.config.grad_clip)
+        optimizer.step()
+        state["step"] += 1
+        tokens = sum(len(e.token_ids) for e in batch)
+        bar.update(1)
+        bar.set_postfix(
+            feature=f"{parts.feature:.3f}",
+            token=f"{parts.token:.2f}",
+            acc="/".join(f"{a:.2f}" for a in parts.accuracy),
+            tok_per_s=f"{tokens / (time.perf_counter() - started):.0f}",
+        )
+        self._log({"step": state["step"], **asdict(parts)})
+
+    def _new_head(self) -> EagleHead:
+        spec = self.llm.engine.spec
+        head_spec = HeadSpec(
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            vocab_size=spec.vocab_size,
+            rms_norm_eps=spec.rms_norm_eps,
+            fc_bias=True,
+            qkv_bias=False,
+            has_embedding=False,
+        )
+        inv_freq, scaling = rope_inverse_frequencies(self.hf_config, spec.head_dim)
+        rotary = RotaryEmbedding(inv_freq, scaling, self.llm.engine.max_model_len)
+        return EagleHead(head_spec, rotary).to(self.target.lm_head.weight.device).train()
+
+    def _initial_head(self, path: str) -> EagleHead:
+        """A trainable copy of the head in `path`, checked against the target like any head."""
+        head = load_head(
+            path,
+            self.llm.engine.spec,
+            self.llm.engine.max_model_len,
+            self.target.lm_head.weight.device,
+            self.target.lm_head.weight.dtype,
+        )
+        return head.train()
+
+    def _resume(self, head, optimizer) -> dict:
+        path = self.out / "checkpoint.pt"
+        if self.config.resume and path.exists():
+            saved = torch.load(path, map_location="cpu", weights_only=False)
+            head.load_state_dict(saved["head"])
+            optimizer.load_state_dict(saved["optimizer"])
+            torch.set_rng_state(saved["rng"])
+            return saved["state"]
+        return {"epoch": 0, "batch": 0, "step": 0}
+
+    def _checkpoint(self, head, optimizer, state) -> None:
+        path = self.out / "checkpoint.pt"
+        torch.save(
+            {
+                "head": head.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "rng": torch.get_rng_state(),
+                "state": dict(state),
+            },
+            path.with_suffix(".tmp"),
+        )
+        os.replace(path.with_suffix(".tmp"), path)
+
+    def _evaluate(self, head: EagleHead, prompts: list[list[int]], epoch: int) -> float:
+        """Save the head to OUT/last-head, and measure its acceptance length with the real
+        engine on held-out prompts."""
+        rope = _rope_fields(self.hf_config)
+        folder = save_head(head, self.out / "last-head", rope, torch.float16)
+        # whole trees every step: the head's acceptance, not what a draft budget chose to verify
+        llm = LLM(
+            self.config.target, draft=str(folder), num_kv_blocks=256, adaptive_draft_budget=False
+        )
+        params = SamplingParams(temperature=0, max_tokens=self.config.eval_max_tokens)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        steps = sum(o.metrics.num_decode_steps for o in outputs)
+        accepted = sum(o.metrics.num_accepted_tokens for o in outputs)
+        length = (steps + accepted) / max(steps, 1)
+        print(
+            f"epoch {epoch}: mean acceptance length {length:.2f} on {len(prompts)} held-out prompts"
+        )
+        self._log({"epoch": epoch, "acceptance_length": length})
+        return length
+
+    def _log(self, record: dict) -> None:
+        with (self.out / "train_log.jsonl").open("a") as log:
+            log.write(json.dumps(record) + "\n")
+
+
+def frequent_tokens(examples: list[TrainingExample], count: int) -> torch.Tensor:
+    """The `count` token ids seen most often where the loss applies (what drafts propose)."""
+    tokens = torch.cat([e.token_ids[e.loss_mask] for e in examples])
+    counts = torch.bincount(tokens)
+    return counts.argsort(descending=True, stable=True)[:count].sort().values
+
+
+def _read_shard(path: Path) -> list[TrainingExample]:
+    tensors = load_file(str(path))
+    lengths = tensors["lengths"].tolist()
+    ids = tensors["token_ids"].long().split(lengths)
+    masks = tensors["loss_mask"].bool().split(lengths)
+    features = tensors["features"].split(lengths)
+    return [TrainingExample(i, f, m) for i, f, m in zip(ids, features, masks)]
+
+
+def _length_batches(sequences: list[list[int]], max_tokens: int) -> list[list[list[int]]]:
+    batches, current = [], []
+    for seq in sequences:
+        if current and sum(map(len, current)) + len(seq) > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(seq)
+    return batches + ([current] if current else [])
+
+
+def _token_batches(
+    examples: list[TrainingExample], batch_tokens: int, rng: random.Random
+) -> list[list[TrainingExample]]:
+    order = list(examples)
+    rng.shuffle(order)
+    batches, current, size = [], [], 0
+    for example in order:
+        if current and size + len(example.token_ids) > batch_tokens:
+            batches.append(current)
+            current, size = [], 0
+        current.append(example)
+        size += len(example.token_ids)
+    return batches + ([current] if current else [])
+
+
+def _learning_rate(config: TrainConfig, step: int, total_steps: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _rope_fields(hf_config) -> dict:
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    fields = {
+        "rope_theta": params.get("rope_theta", 10000.0),
+        "max_position_embeddings": hf_config.max_position_embeddings,
+    }
+    if params.get("rope_type", "default") != "default":
+        fields["rope_scaling"] = params
+    return fields
+
+
+def train_head(config: TrainConfig) -> Path:
+    trainer = HeadTrainer(config)
+    return trainer.train(trainer.cache_features())

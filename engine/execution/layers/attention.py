@@ -1,0 +1,82 @@
+"""Self-attention of a decoder layer: fused QKV, optional q/k norm, rotary, paged attention (the
+torch backend, or flash-attn's when the step's metadata is built for it)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.execution.layers.cpu_kernels import CpuKernels
+from engine.execution.layers.direct_call import DirectCallModule
+from engine.execution.layers.flash_attention import FlashAttentionMetadata, flash_paged_attention
+from engine.execution.layers.norm import RMSNorm
+from engine.execution.layers.paged_attention import AttentionMetadata, paged_attention, store_kv
+from engine.execution.layers.rotary import apply_rotary
+
+
+class Attention(DirectCallModule):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,  # Qwen3 normalises q and k per head before rotary
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [T, 1, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KV, D]
+        meta: AttentionMetadata | FlashAttentionMetadata,  # its type picks the backend
+    ) -> torch.Tensor:  # [T, hidden]
+        q, k, v = self._project(x, cos_sin)
+        if isinstance(meta, FlashAttentionMetadata):
+            out = flash_paged_attention(q, k, v, *kv_cache, meta, self.scale)  # [T, H * D]
+        elif self.cpu_kernels is not None:
+            out = self.cpu_kernels.paged_attention(q, k, v, *kv_cache, meta, self.scale)
+        else:
+            out = paged_attention(q, k, v, *kv_cache, meta, self.scale)  # [T, H * D]
+        return self.o_proj(out)
+
+    def store_kv(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [T, 1, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KV, D]
+        slot_mapping: torch.Tensor,  # [T]
+    ) -> None:
+        """Write the K/V of `x`'s tokens to the cache without attending: for tokens whose
+        output no one reads, only later tokens' attention to them."""
+        _, k, v = self._project(x, cos_sin)
+        if self.cpu_kernels is not None:
+            self.cpu_kernels.store_kv(k, v, *kv_cache, slot_mapping)
+        else:
+            store_kv(k, v, *kv_cache, slot_mapping)
+
+    def _project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """q [T, H, D], k [T, KV, D] (normed and rotated) and v [T, KV, D] of `x` [T, hidden]."""
+        num_tokens, num_heads, num_kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * KV) * D]
+        split = (num_heads + num_kv_heads) * self.head_dim
+        qk = qkv[:, :split].view(num_tokens, num_heads + num_kv_heads, self.head_dim)
+        v = qkv[:, split:].view(num_tokens, num_kv_heads, self.head_dim)  # [T, KV, D]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])), dim=1)
+        if self.cpu_kernels is not None:  # in place: qk is this pass's own buffer
+            self.cpu_kernels.rotary_(qk, *cos_sin)
+        else:
+            qk = apply_rotary(qk, *cos_sin)  # [T, H + KV, D]: q and k rotated in one pass
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
+        return q, k, v

@@ -1,0 +1,2 @@
+"""Turning logits into tokens and tokens into text: parameters, logits processors, the sampler,
+the detokenizer."""
