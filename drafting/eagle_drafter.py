@@ -1,4 +1,5 @@
-"""EagleDrafter: EAGLE-2 drafting for every decoding sequence of a step, batched.
+"""EagleDrafter: EAGLE-2 dynamic-tree drafting for every decoding sequence of a step, batched,
+with an EAGLE-1/2 or an EAGLE-3 head (whose features are the target's three layers' states).
 
 Propose: first the head catches up on the positions whose target features arrived since its last
 pass (prefill chunks, or the root and accepted tokens of the last step): row i reads token i + 1
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 from drafting.acceptance import accept_at_node, accept_target_token
-from drafting.head import EagleHead
+from drafting.eagle3_head import Eagle3Head
+from drafting.head_loader import DraftHead
 from drafting.tree import ROOT, Candidates, rerank
 from engine.core.draft_tree import DraftTree
 from engine.core.request import Sequence
@@ -97,7 +99,7 @@ class TreeShape:
 class EagleDrafter:
     def __init__(
         self,
-        head: EagleHead,
+        head: DraftHead,
         target: DecoderModel,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         block_size: int,
@@ -113,8 +115,13 @@ class EagleDrafter:
         # A reduced draft vocabulary scores only the target's most frequent tokens: its lm_head
         # rows are a fraction of the full one, which dominates drafting for small targets.
         self.draft_vocab = head.draft_vocab  # [V_draft] target token ids, or None
-        # fp16_weights: an fp16 copy for FBGEMM's GEMM where it runs (layers/fp16_linear.py)
-        self.draft_lm_head = _draft_lm_head(target.lm_head, self.draft_vocab, fp16_weights)
+        self.draft_vocab_size = (
+            len(self.draft_vocab) if self.draft_vocab is not None else target.spec.vocab_size
+        )
+        if isinstance(head, Eagle3Head):  # its own norm and lm_head over its draft vocabulary
+            self.draft_logits = head.draft_logits
+        else:  # the target's lm_head (its draft-vocabulary rows); fp16: layers/fp16_linear.py
+            self.draft_logits = _draft_lm_head(target.lm_head, self.draft_vocab, fp16_weights)
 
     # ------------------------------------------------------------------ propose
     @torch.inference_mode()
@@ -186,9 +193,7 @@ class EagleDrafter:
             active = [b for b in range(batch) if depths[b] > layer]
             chosen = candidates.newest_layer_best(k)  # [B, k] candidate indices
             out = self._expand(items, active, layer, candidates, chosen, sources, rows)
-            logprobs = torch.full(
-                (batch, k, self.draft_lm_head.out_features), -torch.inf, device=self.device
-            )
+            logprobs = torch.full((batch, k, self.draft_vocab_size), -torch.inf, device=self.device)
             logprobs[active] = self._draft_logprobs(out).view(len(active), k, -1)
             # children of inactive rows: -inf
             candidates.add_children(chosen, logprobs, k, self.draft_vocab)
@@ -232,9 +237,8 @@ class EagleDrafter:
         )
 
     def _draft_logprobs(self, features: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, V] draft log-probabilities over the draft vocabulary, through the
-        target's lm_head (its rows for that vocabulary when the head has a reduced one)."""
-        logits = self.draft_lm_head(features).float()  # [N, V]
+        """[N, hidden] -> [N, V] draft log-probabilities over the draft vocabulary."""
+        logits = self.draft_logits(features).float()  # [N, V]
         return torch.log_softmax(logits, dim=-1)
 
     def _depth_for(self, room: int) -> int:

@@ -15,16 +15,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from drafting.head_format import fused_split_sizes, unfused, write_head_files
 from engine.core.kv_cache import LayerShape
 from engine.errors import ModelLoadError
 from engine.execution.layers.attention import Attention
 from engine.execution.layers.mlp import GatedMLP
 from engine.execution.layers.norm import RMSNorm
 from engine.execution.layers.paged_attention import AttentionMetadata
-from engine.execution.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
-from engine.execution.layers.weight_layout import use_column_major_weights
-from engine.execution.layers.weights import FUSED_WEIGHTS, load_named_weights
-from engine.execution.model_files import load_state_dict
+from engine.execution.layers.rotary import RotaryEmbedding
+from engine.execution.layers.weights import load_named_weights
 from engine.execution.models.spec import ModelSpec
 
 _LAYER = "layers.0."
@@ -89,6 +88,13 @@ class EagleHead(nn.Module):
         """The head's layer in the engine's paged KV pool."""
         return LayerShape(self.spec.num_kv_heads, self.spec.head_dim)
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return ()  # it reads the target's final hidden states
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        return features  # its fc reads the feature beside the embedding
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] the token after each feature's position
@@ -123,42 +129,16 @@ class EagleHead(nn.Module):
         return self.fc(torch.cat((embedding, features.to(embedding.dtype)), dim=-1))
 
 
-def load_head(
-    path: str | Path,
-    target: ModelSpec,
-    max_positions: int,
-    device: torch.device,
-    dtype: torch.dtype,
+def load_eagle_head(
+    folder: Path, config: dict, weights: dict[str, torch.Tensor], target: ModelSpec, rotary
 ) -> EagleHead:
-    """Load and check a head folder against its target; refuse what would load wrongly."""
-    folder = Path(path)
-    config = _read_config(folder)
-    weights = load_state_dict(folder)
-    _refuse_eagle3(config, weights, folder)
+    """An EAGLE-1/2 head from its files, checked against its target."""
     spec = HeadSpec.from_files(config, weights, folder)
     _check_against_target(spec, target, weights, folder)
-    from transformers import LlamaConfig
-
-    inv_freq, scaling = rope_inverse_frequencies(LlamaConfig(**_rope_fields(config)), spec.head_dim)
-    head = EagleHead(spec, RotaryEmbedding(inv_freq, scaling, max_positions))
+    head = EagleHead(spec, rotary)
     _load_weights(head, weights, folder)
     head.draft_vocab = _read_draft_vocab(folder, target.vocab_size)
-    head = head.to(device=device, dtype=dtype).eval()  # float casts leave the ids alone
-    use_column_major_weights(head)
     return head
-
-
-def _read_config(folder: Path) -> dict:
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"draft head {folder}: no config.json (expected an EAGLE head folder)")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"draft head {folder}: unreadable config.json ({exc})") from None
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"draft head {folder}: config.json is not a JSON object")
-    return config
 
 
 def _read_draft_vocab(folder: Path, vocab_size: int) -> torch.Tensor | None:
@@ -183,19 +163,6 @@ def _read_draft_vocab(folder: Path, vocab_size: int) -> torch.Tensor | None:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _refuse_eagle3(config: dict, weights: dict, folder: Path) -> None:
-    architectures = " ".join(config.get("architectures") or [])
-    if (
-        "eagle3" in architectures.lower()
-        or "d2t" in weights
-        or any(k.startswith("midlayer.") for k in weights)
-    ):
-        raise ModelLoadError(
-            f"draft head {folder} is an EAGLE-3 head, which is not supported yet "
-            "(Aerie loads EAGLE-1/2 heads)"
-        )
-
-
 def _check_against_target(spec: HeadSpec, target: ModelSpec, weights: dict, folder: Path):
     problems = []
     if spec.hidden_size != target.hidden_size:
@@ -216,31 +183,14 @@ def _check_against_target(spec: HeadSpec, target: ModelSpec, weights: dict, fold
         )
 
 
-def _rope_fields(config: dict) -> dict:
-    keys = (
-        "hidden_size",
-        "num_attention_heads",
-        "head_dim",
-        "rope_theta",
-        "rope_scaling",
-        "rope_parameters",
-        "max_position_embeddings",
-    )
-    return {k: config[k] for k in keys if k in config and config[k] is not None}
-
-
 def _load_weights(head: EagleHead, weights: dict[str, torch.Tensor], folder: Path) -> None:
     flat = {name.removeprefix(_LAYER): t for name, t in weights.items()}
     load_named_weights(head, flat, f"draft head {folder}")
 
 
-def save_head(head: EagleHead, folder: str | Path, rope: dict, dtype: torch.dtype) -> Path:
+def save_eagle_head(head: EagleHead, folder: Path, rope: dict, dtype: torch.dtype) -> None:
     """Write `head` in the published EAGLE format: a one-layer Llama config.json plus
     model.safetensors with unfused q/k/v and gate/up weights under `layers.0.`."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     spec = head.spec
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -255,34 +205,17 @@ def save_head(head: EagleHead, folder: str | Path, rope: dict, dtype: torch.dtyp
         "rms_norm_eps": spec.rms_norm_eps,
         "bias": spec.fc_bias,
         "hidden_act": "silu",
-        "torch_dtype": str(dtype).removeprefix("torch."),
         **rope,
     }
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {}
-    for name, tensor in head.state_dict().items():
-        for fused, parts in FUSED_WEIGHTS.items():
-            if name.startswith(fused):
-                suffix = name[len(fused) :]
-                sizes = _fused_sizes(spec, fused)
-                for part, piece in zip(parts, tensor.split(sizes, dim=0)):
-                    tensors[f"{_LAYER}{part}{suffix}"] = piece
-                break
-        else:
-            prefix = "" if name.startswith(("fc.", "embed_tokens.")) else _LAYER
-            tensors[prefix + name] = tensor
-    if head.draft_vocab is not None:
+    sizes = fused_split_sizes(
+        spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    )
+    tensors = unfused(head.state_dict(), sizes, _checkpoint_name)
+    write_head_files(folder, config, tensors, dtype)
+    if head.draft_vocab is not None:  # Aerie's own side file: a published head needs EAGLE-3
         ids = head.draft_vocab.tolist()
         (folder / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": ids}) + "\n")
-    save_file(
-        {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()},
-        str(folder / "model.safetensors"),
-    )
-    return folder
 
 
-def _fused_sizes(spec: HeadSpec, fused: str) -> list[int]:
-    if fused == "mlp.gate_up_proj":
-        return [spec.intermediate_size] * 2
-    kv = spec.num_kv_heads * spec.head_dim
-    return [spec.num_heads * spec.head_dim, kv, kv]
+def _checkpoint_name(name: str) -> str:
+    return name if name.startswith(("fc.", "embed_tokens.")) else _LAYER + name

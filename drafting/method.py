@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from drafting.eagle_drafter import EagleDrafter, TreeShape
-from drafting.head import EagleHead, load_head
+from drafting.head_loader import DraftHead, load_head
 from drafting.shipped_heads import shipped_head
 from engine.config import EngineConfig
 from engine.execution.models.decoder import DecoderModel
@@ -26,12 +26,12 @@ class EagleMethod:
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
-    ) -> EagleHead:
+    ) -> DraftHead:
         return load_head(path, target, max_positions, device, dtype)
 
     def make_drafter(
         self,
-        head: EagleHead,
+        head: DraftHead,
         target: DecoderModel,
         kv_layer: tuple[torch.Tensor, torch.Tensor],
         config: EngineConfig,

@@ -75,7 +75,13 @@ class LLMEngine:
         head = self._load_head(config) if config.draft else None
         extra_layers = (head.kv_layer_shape,) if head else ()
         self.runner = ModelRunner(
-            config, self.spec, hf_config, state_dict, self.max_model_len, extra_layers
+            config,
+            self.spec,
+            hf_config,
+            state_dict,
+            self.max_model_len,
+            extra_layers,
+            head.feature_layers if head else (),
         )
         if head:  # the head's passes are as few rows as the target's, and choose as they do
             if config.fp16_draft_weights:  # or half the bytes, where FBGEMM runs them
@@ -255,7 +261,7 @@ class LLMEngine:
             start = seq.num_computed_tokens
             num_prompt_tokens += max(0, min(start + num_final, seq.prompt_len) - start)
             seq.num_computed_tokens += num_final
-            self.drafter.commit(seq, verified.hidden[rows.start : rows.start + num_final])
+            self.drafter.commit(seq, verified.features[rows.start : rows.start + num_final])
         return num_prompt_tokens
 
     @staticmethod
@@ -344,7 +350,7 @@ class LLMEngine:
             )
         seq.num_computed_tokens += len(nodes)
         rows = [verdict.token_rows.start + node for node in nodes]
-        self.drafter.commit(seq, verified.hidden[rows])
+        self.drafter.commit(seq, verified.features[rows])
 
     def _slot(self, seq: Sequence, entry: int) -> int:
         block_size = self.config.block_size

@@ -81,7 +81,7 @@ def _add_generate(commands) -> None:
 def _add_train_head(commands) -> None:
     from drafting.training.trainer import TrainConfig
 
-    cmd = commands.add_parser("train-head", help="train an EAGLE-2 draft head for a model")
+    cmd = commands.add_parser("train-head", help="train an EAGLE-2 or EAGLE-3 draft head")
     cmd.add_argument("--target", default=DEFAULT_MODEL, help="the model the head drafts for")
     cmd.add_argument(
         "--data",
@@ -113,7 +113,7 @@ def _add_dataclass_flags(cmd, config_class, skip: tuple[str, ...]) -> None:
         if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
-        kind = float if isinstance(field.default, float) else int
+        kind = type(field.default) if isinstance(field.default, (float, str)) else int
         cmd.add_argument(flag, type=kind, default=field.default, help=f"default: {field.default}")
 
 

@@ -112,7 +112,8 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 def save_random_head(path: Path, target: Path, seed: int = 0) -> Path:
     """A randomly initialised EAGLE head for the tiny model in `target` (acceptance near zero)."""
-    from drafting.head import EagleHead, HeadSpec, save_head
+    from drafting.head import EagleHead, HeadSpec
+    from drafting.head_loader import save_head
     from engine.execution.layers.rotary import RotaryEmbedding
 
     config = transformers.AutoConfig.from_pretrained(target)
@@ -130,4 +131,38 @@ def save_random_head(path: Path, target: Path, seed: int = 0) -> Path:
         has_embedding=False,
     )
     head = EagleHead(spec, RotaryEmbedding(torch.ones(spec.head_dim // 2), 1.0, 1))
+    return save_head(head, path, {"rope_theta": 10000.0}, torch.float32)
+
+
+def save_random_eagle3_head(
+    path: Path, target: Path, draft_vocab_size: int | None = None, seed: int = 0
+) -> Path:
+    """A randomly initialised EAGLE-3 head for the tiny model in `target`: its draft vocabulary
+    the first `draft_vocab_size` target ids after a shift (so d2t is not all zeros)."""
+    from drafting.eagle3_head import Eagle3Head, Eagle3Spec
+    from drafting.head_loader import save_head
+    from engine.execution.layers.rotary import RotaryEmbedding
+
+    config = transformers.AutoConfig.from_pretrained(target)
+    torch.manual_seed(seed)
+    vocab = config.vocab_size
+    draft_vocab = draft_vocab_size or vocab
+    spec = Eagle3Spec(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=config.hidden_size,
+        feature_layers=(0, 1, config.num_hidden_layers - 1),  # vLLM's default needs 6 layers
+        rms_norm_eps=config.rms_norm_eps,
+        qkv_bias=False,
+        norm_before_residual=False,
+        has_embedding=False,
+    )
+    head = Eagle3Head(spec, RotaryEmbedding(torch.ones(spec.head_dim // 2), 1.0, 1))
+    target_ids = (torch.arange(draft_vocab) + (vocab - draft_vocab)) % vocab  # [V_draft]
+    head.d2t.copy_(target_ids - torch.arange(draft_vocab))
     return save_head(head, path, {"rope_theta": 10000.0}, torch.float32)

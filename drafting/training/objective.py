@@ -1,9 +1,12 @@
-"""The EAGLE-1/2 training objective, optionally unrolled over several drafting steps.
+"""The EAGLE training objectives, optionally unrolled over several drafting steps.
 
 For each position i the head reads token i + 1 and the target's feature at i (plus small uniform
-noise) and predicts the feature at i + 1. Loss: smooth-L1 to that feature (weight 1.0) plus the
-cross-entropy between the target's next-token distribution and the head's, both through the frozen
-lm_head (weight 0.1), on the positions the loss mask keeps (assistant tokens).
+noise) and predicts the feature at i + 1. EAGLE-1/2 loss: smooth-L1 to that feature (weight 1.0)
+plus the cross-entropy between the target's next-token distribution and the head's, both through
+the frozen lm_head (weight 0.1). EAGLE-3 loss: the cross-entropy alone, the head's distribution
+through its own norm and lm_head over its draft vocabulary, its features the target's three
+layers' states (projected by its fc before the first step). Both on the positions the loss mask
+keeps (assistant tokens).
 
 When drafting, only the first level of a tree reads a target feature: deeper nodes read the head's
 own prediction of their parent's feature, and attend to their ancestors' K/V, which were computed
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from drafting.head import EagleHead
+from drafting.eagle3_head import Eagle3Head
+from drafting.head_loader import DraftHead
 from engine.core.kv_cache import KVCache
 from engine.execution.layers.paged_attention import (
     AttentionMetadata,
@@ -41,7 +45,7 @@ UNROLL_DECAY = 0.8
 @dataclass(frozen=True)
 class TrainingExample:
     token_ids: torch.Tensor  # [T] long
-    features: torch.Tensor  # [T, hidden] target features
+    features: torch.Tensor  # [T, F] the target's output (`DecoderModel.split_features`)
     loss_mask: torch.Tensor  # [T] bool: positions whose next token is trained on
 
 
@@ -53,7 +57,7 @@ class StepLosses:
 
 
 def head_losses(
-    head: EagleHead,
+    head: DraftHead,
     target: DecoderModel,
     batch: list[TrainingExample],
     noise: float = 0.2,
@@ -63,27 +67,59 @@ def head_losses(
     lengths = [len(e.token_ids) - 1 for e in batch]  # position i predicts i + 1
     device = head.fc.weight.device
     next_tokens = torch.cat([e.token_ids[1:] for e in batch]).to(device)  # [N]
-    features = torch.cat([e.features[:-1] for e in batch]).to(device).float()  # [N, hidden]
-    targets = torch.cat([e.features[1:] for e in batch]).to(device).float()  # [N, hidden]
+    output = torch.cat([e.features for e in batch]).to(device).float()  # [sum(T), F']
+    hidden, features = target.split_features(output)  # [sum(T), hidden], [sum(T), F]
+    firsts, lasts = _ends(lengths, device)
+    features = features[~lasts]  # [N, F] position i's, for i < T - 1
+    targets = hidden[~firsts]  # [N, hidden] the final hidden state at i + 1
     mask = torch.cat([e.loss_mask[:-1] for e in batch]).to(device)  # [N]
     features = features + (torch.rand_like(features) - 0.5) * noise
+    features = head.project_features(features)  # [N, hidden] (EAGLE-3: through its fc)
     predictions = unrolled_predictions(
         head, target.embed_tokens, next_tokens, features, lengths, unroll_steps
     )  # unroll_steps x [N, hidden]
-    weight = target.lm_head.weight  # [vocab, hidden]
-    if head.draft_vocab is not None:
-        weight = weight[head.draft_vocab]  # [V_draft, hidden]
+    score = _draft_scorer(head, target)
+    feature_weight = 0.0 if isinstance(head, Eagle3Head) else FEATURE_WEIGHT
     positions = _positions(lengths, device)  # [N]
     loss, parts = 0.0, []
     for step, predicted in enumerate(predictions):
         valid = mask & (positions >= step)  # step s's first s positions have no drafted input
-        feature_loss, token_loss, accuracy = _losses(predicted[valid], targets[valid], weight)
+        feature_loss, token_loss, accuracy = _losses(predicted[valid], targets[valid], score)
         loss = loss + UNROLL_DECAY**step * (
-            FEATURE_WEIGHT * feature_loss + TOKEN_WEIGHT * token_loss
+            feature_weight * feature_loss + TOKEN_WEIGHT * token_loss
         )
         parts.append((feature_loss.item(), token_loss.item(), accuracy))
     (feature, token, _), accuracies = parts[0], tuple(a for _, _, a in parts)
     return loss, StepLosses(feature, token, accuracies)
+
+
+def _ends(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[sum(T)] bool masks of each sequence's first and last row (T = length + 1 each)."""
+    sizes = torch.tensor([n + 1 for n in lengths], device=device)
+    ends = sizes.cumsum(0)  # [B] one past each sequence's last row
+    firsts = torch.zeros(int(ends[-1]), dtype=torch.bool, device=device)
+    lasts = firsts.clone()
+    firsts[ends - sizes] = True
+    lasts[ends - 1] = True
+    return firsts, lasts
+
+
+@dataclass(frozen=True)
+class _DraftScorer:
+    """Logits over the draft vocabulary: the head's, from its predicted features, and the
+    target's, from its own final hidden states (the target's lm_head rows of that vocabulary)."""
+
+    head_logits: object  # [M, hidden] -> [M, V_draft]
+    target_weight: torch.Tensor  # [V_draft, hidden]
+
+
+def _draft_scorer(head: DraftHead, target: DecoderModel) -> _DraftScorer:
+    weight = target.lm_head.weight  # [vocab, hidden]
+    if head.draft_vocab is not None:
+        weight = weight[head.draft_vocab]  # [V_draft, hidden]
+    if isinstance(head, Eagle3Head):
+        return _DraftScorer(head.draft_logits, weight)
+    return _DraftScorer(lambda predicted: F.linear(predicted, weight), weight)
 
 
 def _positions(lengths: list[int], device: torch.device) -> torch.Tensor:
@@ -91,13 +127,14 @@ def _positions(lengths: list[int], device: torch.device) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths]).to(device)
 
 
-def _losses(predicted: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor):
-    """Smooth-L1 to the target features, soft cross-entropy through `weight` ([V, hidden]) and
-    top-1 agreement, for predicted and target features [M, hidden]."""
+def _losses(predicted: torch.Tensor, targets: torch.Tensor, score: _DraftScorer):
+    """Smooth-L1 to the target's final hidden states, soft cross-entropy over the draft
+    vocabulary and top-1 agreement, for predicted features and target states [M, hidden]."""
     feature_loss = F.smooth_l1_loss(predicted, targets)
     with torch.no_grad():
-        target_probs = torch.softmax(F.linear(targets, weight).float(), dim=-1)  # [M, V]
-    head_logprobs = torch.log_softmax(F.linear(predicted, weight).float(), dim=-1)  # [M, V]
+        target_logits = F.linear(targets, score.target_weight).float()  # [M, V]
+        target_probs = torch.softmax(target_logits, dim=-1)  # [M, V]
+    head_logprobs = torch.log_softmax(score.head_logits(predicted).float(), dim=-1)  # [M, V]
     token_loss = -(target_probs * head_logprobs).sum(-1).mean()
     with torch.no_grad():
         accuracy = (head_logprobs.argmax(-1) == target_probs.argmax(-1)).float().mean().item()
@@ -105,10 +142,10 @@ def _losses(predicted: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor
 
 
 def unrolled_predictions(
-    head: EagleHead,
+    head: DraftHead,
     target_embedding: torch.nn.Embedding,
     next_tokens: torch.Tensor,  # [N] token i + 1 of each position i, sequences concatenated
-    features: torch.Tensor,  # [N, hidden] the target's feature at each position
+    features: torch.Tensor,  # [N, hidden] the (projected) target feature at each position
     lengths: list[int],  # positions per sequence
     steps: int,
 ) -> list[torch.Tensor]:  # steps x [N, hidden]: each step's predicted next features

@@ -1,4 +1,4 @@
-"""`aerie train-head`: train an EAGLE-1/2 head for a target model, on CPU or CUDA.
+"""`aerie train-head`: train an EAGLE-1/2 or EAGLE-3 head (`--arch`) for a target, on CPU or CUDA.
 
 Stage 1 runs the target once over the training conversations and caches its features (fp16,
 sharded on disk), so the epochs of stage 2 never rerun the target. Stage 2 trains the head with the
@@ -24,7 +24,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from drafting.head import EagleHead, HeadSpec, load_head, save_head
+from drafting.eagle3_head import Eagle3Head, Eagle3Spec, default_feature_layers
+from drafting.head import EagleHead, HeadSpec
+from drafting.head_loader import DraftHead, load_head, save_head
 from drafting.training.data import HOLDOUT_EVERY, load_conversations, tokenize_conversation
 from drafting.training.features import target_features
 from drafting.training.objective import TrainingExample, head_losses
@@ -33,12 +35,15 @@ from engine.execution.layers.rotary import RotaryEmbedding, rope_inverse_frequen
 from engine.llm import LLM
 from engine.sampling.sampling_params import SamplingParams
 
+ARCHITECTURES = ("eagle2", "eagle3")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
     target: str
     data: str
     out: Path
+    arch: str = "eagle2"  # "eagle3": three layers' features, its own lm_head, token loss only
     max_conversations: int | None = None
     max_tokens: int = 1024  # per conversation
     epochs: int = 4
@@ -58,6 +63,8 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise AerieError(f"--arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch}")
         if self.unroll_steps < 1:
             raise AerieError(f"--unroll-steps must be at least 1, got {self.unroll_steps}")
 
@@ -71,11 +78,13 @@ class HeadTrainer:
         self.llm = LLM(config.target, draft=None, num_kv_blocks=64)
         self.target = self.llm.engine.runner.model.requires_grad_(False)
         self.hf_config = self.llm.engine.hf_config
+        if config.arch == "eagle3":  # the target's features: three layers' states
+            self.target.feature_layers = training_feature_layers(self.llm.engine.spec.num_layers)
 
     # ------------------------------------------------------------------ stage 1
     def cache_features(self) -> list[Path]:
         """Shards of (token ids, loss mask, fp16 features); existing shards are kept."""
-        folder = self.out / "features"
+        folder = self.out / ("features" if self.config.arch == "eagle2" else "features-eagle3")
         folder.mkdir(exist_ok=True)
         done = sorted(folder.glob("shard-*.safetensors"))
         if (folder / "complete").exists():
@@ -150,9 +159,7 @@ class HeadTrainer:
         if self.config.init_head:
             head = self._initial_head(self.config.init_head)
         else:
-            head = self._new_head()
-            if self.config.draft_vocab_size:
-                head.draft_vocab = frequent_tokens(examples, self.config.draft_vocab_size)
+            head = self._new_head(examples)
         optimizer = torch.optim.AdamW(head.parameters(), lr=self.config.lr, weight_decay=0.0)
         steps_per_epoch = max(
             1, sum(len(e.token_ids) for e in examples) // self.config.batch_tokens
@@ -206,9 +213,47 @@ class HeadTrainer:
         )
         self._log({"step": state["step"], **asdict(parts)})
 
-    def _new_head(self) -> EagleHead:
+    def _new_head(self, examples: list[TrainingExample]) -> DraftHead:
+        inv_freq, scaling = rope_inverse_frequencies(self.hf_config, self.llm.engine.spec.head_dim)
+        rotary = RotaryEmbedding(inv_freq, scaling, self.llm.engine.max_model_len)
+        device = self.target.lm_head.weight.device
+        size = self.config.draft_vocab_size
+        vocab = self.llm.engine.spec.vocab_size
+        draft_vocab = frequent_tokens(examples, size, vocab) if size else None
+        if self.config.arch == "eagle3":
+            return self._new_eagle3_head(rotary, draft_vocab).to(device).train()
+        head = EagleHead(self._eagle_spec(), rotary)
+        head.draft_vocab = draft_vocab
+        return head.to(device).train()
+
+    def _new_eagle3_head(self, rotary, draft_vocab: torch.Tensor | None) -> Eagle3Head:
         spec = self.llm.engine.spec
-        head_spec = HeadSpec(
+        vocab = draft_vocab if draft_vocab is not None else torch.arange(spec.vocab_size)
+        head_spec = Eagle3Spec(
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            vocab_size=spec.vocab_size,
+            draft_vocab_size=len(vocab),
+            target_hidden_size=spec.hidden_size,
+            feature_layers=self.target.feature_layers,
+            rms_norm_eps=spec.rms_norm_eps,
+            qkv_bias=False,
+            norm_before_residual=False,
+            has_embedding=False,
+        )
+        head = Eagle3Head(head_spec, rotary)
+        with torch.no_grad():  # start from the target's lm_head rows of the draft vocabulary
+            head.lm_head.weight.copy_(self.target.lm_head.weight[vocab])
+            head.norm.weight.copy_(self.target.norm.weight)
+        head.d2t.copy_(vocab - torch.arange(len(vocab)))
+        return head
+
+    def _eagle_spec(self) -> HeadSpec:
+        spec = self.llm.engine.spec
+        return HeadSpec(
             hidden_size=spec.hidden_size,
             intermediate_size=spec.intermediate_size,
             num_heads=spec.num_heads,
@@ -220,11 +265,8 @@ class HeadTrainer:
             qkv_bias=False,
             has_embedding=False,
         )
-        inv_freq, scaling = rope_inverse_frequencies(self.hf_config, spec.head_dim)
-        rotary = RotaryEmbedding(inv_freq, scaling, self.llm.engine.max_model_len)
-        return EagleHead(head_spec, rotary).to(self.target.lm_head.weight.device).train()
 
-    def _initial_head(self, path: str) -> EagleHead:
+    def _initial_head(self, path: str) -> DraftHead:
         """A trainable copy of the head in `path`, checked against the target like any head."""
         head = load_head(
             path,
@@ -258,7 +300,7 @@ class HeadTrainer:
         )
         os.replace(path.with_suffix(".tmp"), path)
 
-    def _evaluate(self, head: EagleHead, prompts: list[list[int]], epoch: int) -> float:
+    def _evaluate(self, head: DraftHead, prompts: list[list[int]], epoch: int) -> float:
         """Save the head to OUT/last-head, and measure its acceptance length with the real
         engine on held-out prompts."""
         rope = _rope_fields(self.hf_config)
@@ -283,10 +325,19 @@ class HeadTrainer:
             log.write(json.dumps(record) + "\n")
 
 
-def frequent_tokens(examples: list[TrainingExample], count: int) -> torch.Tensor:
-    """The `count` token ids seen most often where the loss applies (what drafts propose)."""
+def training_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default EAGLE-3 layers where the target has enough of them; else low, middle, last."""
+    layers = default_feature_layers(num_layers)
+    if all(0 <= layer < num_layers for layer in layers):
+        return layers
+    return (0, num_layers // 2, num_layers - 1)
+
+
+def frequent_tokens(examples: list[TrainingExample], count: int, vocab_size: int) -> torch.Tensor:
+    """The `count` token ids seen most often where the loss applies (what drafts propose); ties,
+    unseen tokens among them, go to the lower id."""
     tokens = torch.cat([e.token_ids[e.loss_mask] for e in examples])
-    counts = torch.bincount(tokens)
+    counts = torch.bincount(tokens, minlength=vocab_size)
     return counts.argsort(descending=True, stable=True)[:count].sort().values
 
 

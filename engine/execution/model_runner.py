@@ -54,7 +54,8 @@ class ForwardOutput:
     costs a seventh of a one-token pass)."""
 
     logits: torch.Tensor  # [R, vocab] float32
-    hidden: torch.Tensor  # [T, hidden] final features of every computed token
+    hidden: torch.Tensor  # [T, hidden] final hidden states of every computed token
+    features: torch.Tensor  # [T, F] what the drafter learns from (`DecoderModel.split_features`)
     token_rows: list[range]  # per scheduled sequence: its rows of `hidden` (a tree's: its nodes)
     logits_rows: list[int | None]  # per scheduled sequence: its row of `logits` (None: none)
     lm_head: Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] -> [N, vocab] float32
@@ -74,12 +75,14 @@ class ModelRunner:
         state_dict,
         max_model_len: int,
         extra_layers: tuple[LayerShape, ...] = (),
+        feature_layers: tuple[int, ...] = (),  # layers whose input a draft head reads (EAGLE-3)
     ) -> None:
         self.config, self.spec = config, spec
         self.device, self.dtype = config.torch_device, config.torch_dtype
         inv_freq, scaling = rope_inverse_frequencies(hf_config, spec.head_dim)
         rotary = RotaryEmbedding(inv_freq, scaling, max_model_len)
         self.model = DecoderModel.from_state_dict(spec, rotary, state_dict, self.device, self.dtype)
+        self.model.feature_layers = tuple(feature_layers)
         layers = [LayerShape(spec.num_kv_heads, spec.head_dim)] * spec.num_layers
         layers += list(extra_layers)
         self.num_blocks = self._num_kv_blocks(layers)
@@ -94,7 +97,7 @@ class ModelRunner:
         logger.info("attention backend: %s", backend)
         # flash-attn's varlen kernel when the flash backend serves this model, else None
         self.flash_kernel = load_flash_kernel() if backend == "flash" else None
-        self.forward = self.model  # [T] ids, [T] positions, K/V, metadata -> [T, hidden]
+        self.forward = self.model  # [T] ids, [T] positions, K/V, metadata -> [T, F']
         # how every CpuLinear of this engine runs, measured below (execution/linear_kernels.py)
         self.linear_kernels = LinearKernels()
         # the passes' and the lm_head's measured cost, once the engine has it (for the draft
@@ -143,7 +146,8 @@ class ModelRunner:
             input_ids += ids
             positions += pos
             sequences.append(attention)
-        hidden = self._forward_passes(input_ids, positions, sequences, token_rows)  # [T, hidden]
+        output = self._forward_passes(input_ids, positions, sequences, token_rows)  # [T, F']
+        hidden, features = self.model.split_features(output)  # [T, hidden], [T, F]
         node_rows = [  # every tree's nodes but its root
             r
             for item, rows in zip(batch.scheduled, token_rows)
@@ -159,6 +163,7 @@ class ModelRunner:
         return ForwardOutput(
             logits[: len(sample_rows)],
             hidden,
+            features,
             token_rows,
             logits_rows,
             self.model.compute_logits,
@@ -181,7 +186,8 @@ class ModelRunner:
         meta = self._attention_metadata([SequenceAttention(blocks, context, n) for n in sizes])
         positions = torch.cat([torch.arange(context, context + n) for n in sizes])  # [T]
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.forward(ids, positions.to(self.device), self.kv_cache.layers, meta)
+        output = self.forward(ids, positions.to(self.device), self.kv_cache.layers, meta)
+        hidden, _ = self.model.split_features(output)  # [T, hidden]
         self.model.compute_logits(hidden[::tokens_per_sequence])  # [B, vocab]
         self._synchronize()
 

@@ -29,6 +29,9 @@ DEFAULT_METHOD = "eagle"
 
 class DraftHead(Protocol):
     kv_layer_shape: tuple[int, int]  # (num_kv_heads, head_dim) of the head's one KV layer
+    # target layers whose input residual stream the head reads as its features (EAGLE-3);
+    # empty: it reads the target's final hidden states (EAGLE-1/2)
+    feature_layers: tuple[int, ...]
 
 
 class DraftMethod(Protocol):

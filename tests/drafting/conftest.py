@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import save_random_head, save_tiny_model
+from tests.conftest import save_random_eagle3_head, save_random_head, save_tiny_model
 
 SMALL_VOCAB = 8  # tokens in `small_vocab`
 
@@ -18,7 +18,7 @@ def train_head_quickly(
     target_dir: Path, head_dir: Path, out_dir: Path, steps: int = 150, seed: int = 0
 ) -> Path:
     """Fine-tune the head in `head_dir` on greedy continuations of random prompts."""
-    from drafting.head import load_head, save_head
+    from drafting.head_loader import load_head, save_head
     from drafting.training.features import target_features
     from drafting.training.objective import TrainingExample, head_losses
     from engine import LLM, SamplingParams
@@ -32,11 +32,12 @@ def train_head_quickly(
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outputs]
     target = llm.engine.runner.model.requires_grad_(False)
+    head = load_head(head_dir, llm.engine.spec, 512, torch.device("cpu"), torch.float32).train()
+    target.feature_layers = head.feature_layers  # EAGLE-3 heads read three layers' states
     examples = [
         TrainingExample(torch.tensor(s), f, torch.ones(len(s), dtype=torch.bool))
         for s, f in zip(sequences, target_features(target, sequences))
     ]
-    head = load_head(head_dir, llm.engine.spec, 512, torch.device("cpu"), torch.float32).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
     for _ in range(steps):
         loss, _ = head_losses(head, target, rng.sample(examples, 16))
@@ -70,9 +71,22 @@ def trained_head(bigram_target, random_head, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def random_eagle3_head(bigram_target, tmp_path_factory) -> Path:
+    """A random EAGLE-3 head whose draft vocabulary is 3/4 of the target's."""
+    folder = tmp_path_factory.mktemp("random-eagle3-head")
+    return save_random_eagle3_head(folder, bigram_target, draft_vocab_size=192)
+
+
+@pytest.fixture(scope="session")
+def trained_eagle3_head(bigram_target, random_eagle3_head, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("trained-eagle3")
+    return train_head_quickly(bigram_target, random_eagle3_head, folder)
+
+
+@pytest.fixture(scope="session")
 def small_vocab(tmp_path_factory) -> dict[str, Path]:
     """A tiny model with an 8-token vocabulary, sharp enough for sampled drafts to be accepted,
-    with a random head and one trained for seconds."""
+    with a random head, one trained for seconds, and an EAGLE-3 head trained for seconds."""
     root = tmp_path_factory.mktemp("small-vocab")
     target = save_tiny_model(
         root / "target",
@@ -84,4 +98,7 @@ def small_vocab(tmp_path_factory) -> dict[str, Path]:
     )
     random_head = save_random_head(root / "random-head", target)
     trained = train_head_quickly(target, random_head, root / "trained-head", steps=100)
-    return {"target": target, "random": random_head, "trained": trained}
+    # EAGLE-3: a draft vocabulary of 6 of the 8 tokens, so some target tokens are never drafted
+    random_eagle3 = save_random_eagle3_head(root / "random-eagle3", target, draft_vocab_size=6)
+    eagle3 = train_head_quickly(target, random_eagle3, root / "trained-eagle3", steps=100)
+    return {"target": target, "random": random_head, "trained": trained, "eagle3": eagle3}

@@ -1,4 +1,4 @@
-"""Loading EAGLE heads: the published format, its checks against the target, and EAGLE-3."""
+"""Loading EAGLE-1/2 heads: the published format and its checks against the target."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafting.head import load_head
+from drafting.head_loader import load_head
 from engine import LLM, SamplingParams
 from engine.errors import ModelLoadError
 from engine.execution.layers.paged_attention import (
@@ -85,33 +85,6 @@ def rewrite_config(folder, change) -> None:
     config = json.loads((folder / "config.json").read_text())
     change(config)
     (folder / "config.json").write_text(json.dumps(config))
-
-
-def add_midlayer(weights) -> None:  # EAGLE-3 names its decoder layer `midlayer`
-    for name in [n for n in weights if n.startswith("layers.0.")]:
-        weights[name.replace("layers.0.", "midlayer.")] = weights.pop(name)
-
-
-EAGLE3_MARKS = {
-    "d2t": lambda folder: rewrite_weights(
-        folder, lambda w: w.update({"d2t": torch.zeros(8, dtype=torch.long)})
-    ),
-    "architectures-Eagle3": lambda folder: rewrite_config(
-        folder, lambda c: c.update({"architectures": ["LlamaForCausalLMEagle3"]})
-    ),
-    "architectures-eagle3": lambda folder: rewrite_config(
-        folder, lambda c: c.update({"architectures": ["eagle3"]})
-    ),
-    "midlayer-keys": lambda folder: rewrite_weights(folder, add_midlayer),
-}
-
-
-@pytest.mark.parametrize("mark", EAGLE3_MARKS)
-def test_eagle3_heads_are_refused_clearly(bigram_target, random_head, tmp_path, mark):
-    eagle3 = shutil.copytree(random_head, tmp_path / "eagle3")
-    EAGLE3_MARKS[mark](eagle3)
-    with pytest.raises(ModelLoadError, match="EAGLE-3 head, which is not supported yet"):
-        load(eagle3, bigram_target)
 
 
 @pytest.mark.parametrize(

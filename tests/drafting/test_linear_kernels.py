@@ -92,8 +92,8 @@ def test_the_measured_choice_reaches_every_linear_and_speculation_stays_exact(
     pad_to = linear_kernels.padded_rows(PASS_TIMES, rows_limit)
     assert kernels == LinearKernels(expected_format, rows_limit, pad_to)
     head_linears = cpu_linears(engine.drafter.head)
-    assert head_linears and isinstance(engine.drafter.draft_lm_head, CpuLinear)
-    linears = [*cpu_linears(engine.runner.model), *head_linears, engine.drafter.draft_lm_head]
+    assert head_linears and isinstance(engine.drafter.draft_logits, CpuLinear)
+    linears = [*cpu_linears(engine.runner.model), *head_linears, engine.drafter.draft_logits]
     for layer in linears:  # one shared choice, and only the chosen copy kept
         assert layer.kernels is kernels and list(layer.copies) == [expected_format]
     for prompt, a, b in zip(prompts, plain, speculative):
@@ -118,7 +118,7 @@ def test_fp16_draft_weights_draft_as_fp32_ones_do_and_stay_exact(
     drafter = llm.engine.drafter
     head_linears = [m for m in drafter.head.modules() if isinstance(m, Fp16Linear)]
     assert len(head_linears) == 5  # fc, qkv, o, gate_up, down
-    assert isinstance(drafter.draft_lm_head, Fp16Linear)
+    assert isinstance(drafter.draft_logits, Fp16Linear)
     assert not any(isinstance(m, Fp16Linear) for m in llm.engine.runner.model.modules())
     for prompt, a, b in zip(prompts, plain, fp16):
         assert_same_or_near_tie(

@@ -2,8 +2,9 @@
 
 On a tiny model with an 8-token vocabulary, 20,000 seeded samples of the first three generated
 tokens are compared (chi-square) with the exact distribution computed from transformers' logits,
-for three sampling settings and with both a random and a trained head. The same test, run with a
-deliberately broken acceptance rule, must fail: it is sensitive enough to catch one.
+for three sampling settings with a random head, a trained one and a trained EAGLE-3 head. The same
+test, run with a deliberately broken acceptance rule, must fail: it is sensitive enough to catch
+one.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def chi_square_p_value(counts: dict, expected: dict) -> float:
     return float(scipy.stats.chisquare(observed, [e * scale for e in predicted]).pvalue)
 
 
-@pytest.mark.parametrize("head", ["random", "trained"])
+@pytest.mark.parametrize("head", ["random", "trained", "eagle3"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_speculative_sampling_matches_the_target_distribution(small_vocab, head, setting):
     expected = exact_distribution(small_vocab["target"], SETTINGS[setting])

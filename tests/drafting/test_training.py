@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from drafting.head import load_head
+from drafting.head_loader import load_head
 from drafting.training.data import load_conversations, tokenize_conversation
 from drafting.training.features import target_features
 from drafting.training.objective import TrainingExample, head_losses, unrolled_predictions

@@ -24,11 +24,13 @@ class Attention(DirectCallModule):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,  # Qwen3 normalises q and k per head before rotary
+        input_size: int | None = None,  # EAGLE-3's layer reads [embedding ; feature]: 2 * hidden
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, qkv_bias)
+        qkv_size = (num_heads + 2 * num_kv_heads) * head_dim
+        self.qkv_proj = nn.Linear(input_size or hidden_size, qkv_size, qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
@@ -36,7 +38,7 @@ class Attention(DirectCallModule):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor,  # [T, input_size]
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # 2 x [T, 1, D]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KV, D]
         meta: AttentionMetadata | FlashAttentionMetadata,  # its type picks the backend

@@ -1,8 +1,10 @@
 """One decoder-only transformer for the Llama family (Llama, Mistral, Qwen2, Qwen3).
 
 The families differ only in the flags of ModelSpec (biases, q/k norm, sliding window), so one
-implementation serves all four. `forward` returns the final-normed hidden states (EAGLE's features);
-`compute_logits` applies the lm_head to just the rows that are sampled.
+implementation serves all four. `forward` returns the final-normed hidden states (EAGLE-1/2's
+features), followed, when `feature_layers` is set, by the residual stream entering each of those
+layers (EAGLE-3's features): [T, hidden * (1 + len(feature_layers))]; `split_features` takes them
+apart. `compute_logits` applies the lm_head to just the rows that are sampled.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.feature_layers: tuple[int, ...] = ()  # set once, by a draft head that reads them
         self.tie_weights()
 
     @classmethod
@@ -93,13 +96,24 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: K, V blocks
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden], after the final norm
+    ) -> torch.Tensor:  # [T, hidden * (1 + len(feature_layers))], after the final norm
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        residual, taps = None, {}
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if index in self.feature_layers:  # a copy: the layers add into the stream in place
+                taps[index] = x.clone() if residual is None else x + residual  # [T, hidden]
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)
-        return self.norm.add_and_norm(x, residual)[0]
+        hidden = self.norm.add_and_norm(x, residual)[0]  # [T, hidden]
+        if not taps:
+            return hidden
+        return torch.cat([hidden, *(taps[i] for i in self.feature_layers)], dim=-1)
+
+    def split_features(self, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s output [T, F] -> (final hidden [T, hidden], the drafter's features)."""
+        if not self.feature_layers:
+            return output, output
+        return output[:, : self.spec.hidden_size], output[:, self.spec.hidden_size :]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         return self.lm_head(hidden).float()

@@ -1,0 +1,267 @@
+"""The EAGLE-3 draft head, in the format vLLM, SGLang and SpecForge load and write.
+
+The target hands out its residual stream entering three of its layers (low, middle, high: the
+`feature_layers`), concatenated [3 * target_hidden]; `fc` projects that to the head's width. The
+one decoder layer (`midlayer`) attends over [input_layernorm(embedding) ; hidden_norm(feature)]
+(2 * hidden wide), keeps the feature as its residual, and returns the pre-norm output, which deeper
+drafting steps read back as their feature without `fc`. Draft logits are `lm_head(norm(output))`
+over a reduced draft vocabulary; draft id i stands for target id i + d2t[i].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from drafting.head_format import fused_split_sizes, unfused, write_head_files
+from engine.core.kv_cache import LayerShape
+from engine.errors import ModelLoadError
+from engine.execution.layers.attention import Attention
+from engine.execution.layers.mlp import GatedMLP
+from engine.execution.layers.norm import RMSNorm
+from engine.execution.layers.paged_attention import AttentionMetadata
+from engine.execution.layers.rotary import RotaryEmbedding
+from engine.execution.layers.weights import load_named_weights
+from engine.execution.models.spec import ModelSpec
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+_REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def default_feature_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """The layers whose inputs vLLM hands an EAGLE-3 head when its config names none."""
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+@dataclass(frozen=True)
+class Eagle3Spec:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    feature_layers: tuple[int, ...]  # target layers whose input residual stream is read
+    rms_norm_eps: float
+    qkv_bias: bool
+    norm_before_residual: bool  # the residual is the normed feature (some SpecForge heads)
+    has_embedding: bool
+
+    @classmethod
+    def from_config(cls, config: dict, weights: dict, target: ModelSpec, folder) -> Eagle3Spec:
+        missing = [k for k in _REQUIRED_CONFIG_KEYS if config.get(k) is None]
+        if missing:
+            raise ModelLoadError(f"draft head {folder}: config.json lacks {', '.join(missing)}")
+        if config.get("num_hidden_layers", 1) != 1:
+            raise ModelLoadError(
+                f"draft head {folder}: EAGLE-3 heads of {config['num_hidden_layers']} layers "
+                "are not supported (Aerie loads one-layer heads)"
+            )
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        layers = _feature_layers(config) or default_feature_layers(target.num_layers)
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            vocab_size=config["vocab_size"],
+            draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
+            target_hidden_size=config.get("target_hidden_size") or hidden,
+            feature_layers=tuple(layers),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            qkv_bias="midlayer.self_attn.q_proj.bias" in weights,
+            norm_before_residual=bool(config.get("norm_before_residual", False)),
+            has_embedding="embed_tokens.weight" in weights,
+        )
+
+    def config(self) -> dict:
+        """The config.json fields of this head (rope fields are the caller's)."""
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_config": {
+                "use_aux_hidden_state": True,
+                "eagle_aux_hidden_state_layer_ids": list(self.feature_layers),
+            },
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        }
+
+
+def _feature_layers(config: dict) -> list[int] | None:
+    """Aux layer ids where the config names them: top level or in `eagle_config`."""
+    nested = config.get("eagle_config") or {}
+    return config.get("eagle_aux_hidden_state_layer_ids") or nested.get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, spec: Eagle3Spec, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h) if spec.has_embedding else None
+        self.fc = nn.Linear(len(spec.feature_layers) * spec.target_hidden_size, h, bias=False)
+        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
+        self.self_attn = Attention(
+            h,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            qkv_bias=spec.qkv_bias,
+            input_size=2 * h,
+        )
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.mlp = GatedMLP(h, spec.intermediate_size)
+        self.norm = RMSNorm(h, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        self.rotary = rotary
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+
+    @property
+    def kv_layer_shape(self) -> LayerShape:
+        return LayerShape(self.spec.num_kv_heads, self.spec.head_dim)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.spec.feature_layers
+
+    @property
+    def draft_vocab(self) -> torch.Tensor:  # [V_draft] the target id of each draft id
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:  # [T, F] -> [T, hidden]
+        """Target features (three layers' states) through fc; the head's own outputs as they are."""
+        if features.shape[-1] == self.spec.hidden_size:
+            return features
+        return self.fc(features)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] the token after each feature's position
+        features: torch.Tensor,  # [T, 3 * target_hidden] target or [T, hidden] drafted
+        positions: torch.Tensor,  # [T]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        target_embedding: nn.Embedding,
+    ) -> torch.Tensor:  # [T, hidden] the pre-norm output: the next step's feature
+        x, residual = self._layer_input(input_ids, features, target_embedding)
+        attended = self.self_attn(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, meta)
+        # attended is this pass's own tensor: the fused kernel may add into it in place
+        h, residual = self.post_attention_layernorm.add_and_norm(residual, attended)
+        return residual + self.mlp(h)
+
+    def store_kv(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        features: torch.Tensor,  # [T, F]
+        positions: torch.Tensor,  # [T]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,  # [T]
+        target_embedding: nn.Embedding,
+    ) -> None:
+        """Only the K/V that `forward` would write for these rows."""
+        x, _ = self._layer_input(input_ids, features, target_embedding)
+        self.self_attn.store_kv(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, slot_mapping)
+
+    def draft_logits(self, outputs: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V_draft]
+        return self.lm_head(self.norm(outputs))
+
+    def _layer_input(self, input_ids, features, target_embedding):
+        """The attention input [T, 2 * hidden] and the residual [T, hidden]."""
+        embedding = (self.embed_tokens or target_embedding)(input_ids)  # [T, hidden]
+        feature = self.project_features(features).to(embedding.dtype)  # [T, hidden]
+        normed = self.hidden_norm(feature)
+        residual = normed if self.spec.norm_before_residual else feature
+        return torch.cat((self.input_layernorm(embedding), normed), dim=-1), residual
+
+
+def load_eagle3_head(
+    folder: Path, config: dict, weights: dict[str, torch.Tensor], target: ModelSpec, rotary
+) -> Eagle3Head:
+    """An EAGLE-3 head from its files, checked against its target."""
+    spec = Eagle3Spec.from_config(config, weights, target, folder)
+    _check_against_target(spec, target, weights, folder)
+    head = Eagle3Head(spec, rotary)
+    flat = {_module_name(name): t for name, t in weights.items() if name != "t2d"}
+    if "d2t" not in flat:
+        if spec.draft_vocab_size != spec.vocab_size:
+            raise ModelLoadError(f"draft head {folder}: a reduced draft vocabulary needs d2t")
+        flat["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.long)
+    load_named_weights(head, flat, f"draft head {folder}")
+    head.d2t.copy_(flat["d2t"].long())
+    _check_vocabulary_map(head, target, folder)
+    return head
+
+
+def save_eagle3_head(head: Eagle3Head, folder: Path, rope: dict, dtype: torch.dtype) -> None:
+    """Write `head` as vLLM and SGLang read it: `midlayer.*` unfused, `d2t` and `t2d` maps."""
+    spec = head.spec
+    sizes = fused_split_sizes(
+        spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    )
+    state = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    tensors = unfused(state, sizes, _checkpoint_name)
+    t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+    t2d[head.draft_vocab.cpu()] = True
+    tensors["t2d"] = t2d
+    write_head_files(folder, {**spec.config(), **rope}, tensors, dtype)
+
+
+def _module_name(checkpoint_name: str) -> str:
+    return checkpoint_name.removeprefix("midlayer.")
+
+
+def _checkpoint_name(module_name: str) -> str:
+    top_level = ("fc.", "embed_tokens.", "norm.", "lm_head.", "d2t")
+    return module_name if module_name.startswith(top_level) else "midlayer." + module_name
+
+
+def _check_against_target(spec: Eagle3Spec, target: ModelSpec, weights: dict, folder) -> None:
+    problems = []
+    if spec.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {spec.vocab_size} != target's {target.vocab_size}")
+    if spec.target_hidden_size != target.hidden_size:
+        problems.append(
+            f"target_hidden_size {spec.target_hidden_size} != target's {target.hidden_size}"
+        )
+    if spec.hidden_size != target.hidden_size and "embed_tokens.weight" not in weights:
+        problems.append("the head's width differs from the target's and it has no embed_tokens")
+    if not all(0 <= layer < target.num_layers for layer in spec.feature_layers):
+        problems.append(
+            f"feature layers {list(spec.feature_layers)} outside the target's "
+            f"{target.num_layers} layers"
+        )
+    if any(t.is_floating_point() is False and k not in ("d2t", "t2d") for k, t in weights.items()):
+        problems.append("weights are not floating point (quantized heads are not supported)")
+    if problems:
+        raise ModelLoadError(
+            f"draft head {folder} does not fit the target model: " + "; ".join(problems)
+        )
+
+
+def _check_vocabulary_map(head: Eagle3Head, target: ModelSpec, folder) -> None:
+    ids = head.draft_vocab
+    if ids.min() < 0 or ids.max() >= target.vocab_size or len(ids.unique()) != len(ids):
+        raise ModelLoadError(
+            f"draft head {folder}: d2t must map draft ids to distinct target ids in "
+            f"[0, {target.vocab_size})"
+        )

@@ -1,0 +1,201 @@
+"""EAGLE-3 heads in the published format (what vLLM, SGLang and SpecForge write and load): key
+names and config fields, the layer's arithmetic against a plain-torch reading of that format, the
+target's three-layer features, a write/load round trip, and refusals of heads that cannot work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from drafting.head_loader import load_head
+from engine import LLM
+from engine.errors import ModelLoadError
+from engine.execution.layers.paged_attention import SequenceAttention, build_attention_metadata
+from engine.execution.model_files import load_config
+from engine.execution.models.spec import ModelSpec
+from tests.drafting.test_training import write_jsonl
+
+PUBLISHED_KEYS = {
+    "fc.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+}
+
+
+def load(head, target):
+    spec = ModelSpec.from_hf_config(load_config(target))
+    return load_head(head, spec, 512, torch.device("cpu"), torch.float32)
+
+
+def edit(folder, tmp_path, weights=None, config=None):
+    copy = shutil.copytree(folder, tmp_path / "edited")
+    if weights:
+        tensors = load_file(str(copy / "model.safetensors"))
+        weights(tensors)
+        save_file(tensors, str(copy / "model.safetensors"))
+    if config:
+        values = json.loads((copy / "config.json").read_text())
+        config(values)
+        (copy / "config.json").write_text(json.dumps(values))
+    return copy
+
+
+def test_the_files_have_the_published_names_and_fields(random_eagle3_head):
+    tensors = load_file(str(random_eagle3_head / "model.safetensors"))
+    assert set(tensors) == PUBLISHED_KEYS
+    assert tensors["fc.weight"].shape == (64, 3 * 64)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (64, 2 * 64)
+    assert tensors["lm_head.weight"].shape == (192, 64)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    draft_to_target = torch.arange(192) + tensors["d2t"]
+    assert tensors["t2d"].sum() == 192 and tensors["t2d"][draft_to_target].all()
+    config = json.loads((random_eagle3_head / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == 192 and config["vocab_size"] == 256
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+
+
+def reference_layer(tensors: dict, config: dict, ids, aux, embedding) -> torch.Tensor:
+    """The published EAGLE-3 layer for one causal sequence, read straight off the tensors:
+    fc over the three states; attention over [norm(embedding) ; norm(feature)] with the feature as
+    the residual; MLP; pre-norm output. No rotary: every position here is 0."""
+    eps, heads, kv_heads = config["rms_norm_eps"], config["num_attention_heads"], 2
+    w = {k.removeprefix("midlayer."): v.float() for k, v in tensors.items()}
+
+    def norm(x, name):
+        return F.rms_norm(x, x.shape[-1:], w[name], eps)
+
+    feature = aux @ w["fc.weight"].T  # [T, hidden]
+    x = torch.cat(
+        [norm(embedding(ids), "input_layernorm.weight"), norm(feature, "hidden_norm.weight")], -1
+    )
+    q = (x @ w["self_attn.q_proj.weight"].T).view(len(ids), heads, -1).transpose(0, 1)
+    k = (x @ w["self_attn.k_proj.weight"].T).view(len(ids), kv_heads, -1).transpose(0, 1)
+    v = (x @ w["self_attn.v_proj.weight"].T).view(len(ids), kv_heads, -1).transpose(0, 1)
+    k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
+    attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [heads, T, D]
+    attended = attended.transpose(0, 1).reshape(len(ids), -1) @ w["self_attn.o_proj.weight"].T
+    residual = feature + attended
+    h = norm(residual, "post_attention_layernorm.weight")
+    mlp = (F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) @ w[
+        "mlp.down_proj.weight"
+    ].T
+    return residual + mlp
+
+
+def test_the_layer_computes_what_the_format_means(bigram_target, random_eagle3_head):
+    head = load(random_eagle3_head, bigram_target)
+    tensors = load_file(str(random_eagle3_head / "model.safetensors"))
+    config = json.loads((random_eagle3_head / "config.json").read_text())
+    embedding = torch.nn.Embedding(256, 64)
+    ids, aux = torch.tensor([5, 9, 17, 30]), torch.randn(4, 3 * 64)
+    positions = torch.zeros(4, dtype=torch.long)  # rotary is the identity at position 0
+    kv = torch.zeros(2, 1, 8, 2, 16)
+    meta = build_attention_metadata([SequenceAttention([0], 0, 4)], 8, torch.device("cpu"))
+    with torch.no_grad():
+        ours = head(ids, aux, positions, (kv[0], kv[1]), meta, embedding)
+        expected = reference_layer(tensors, config, ids, aux, embedding)
+        assert torch.allclose(ours, expected, atol=1e-4)
+        logits = head.draft_logits(ours)  # [T, V_draft]: lm_head over norm(output)
+        normed = F.rms_norm(ours, (64,), tensors["norm.weight"], config["rms_norm_eps"])
+        assert torch.allclose(logits, normed @ tensors["lm_head.weight"].T, atol=1e-4)
+    assert torch.equal(head.draft_vocab, torch.arange(192) + tensors["d2t"])
+
+
+def test_the_target_hands_out_the_residual_stream_entering_its_feature_layers(bigram_target):
+    import transformers
+
+    llm = LLM(str(bigram_target), draft=None)
+    model = llm.engine.runner.model
+    model.feature_layers = (0, 1, 1)
+    ids = [5, 9, 17, 30, 41]
+    lengths = [len(ids)]
+    from drafting.training.features import target_features
+
+    hidden, features = model.split_features(target_features(model, [ids])[0])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(bigram_target).eval()
+    with torch.no_grad():
+        states = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    # transformers: states[i] enters layer i (states[0] the embedding), states[-1] is final-normed
+    expected = torch.cat([states[0][0], states[1][0], states[1][0]], dim=-1)
+    assert features.shape == (lengths[0], 3 * 64)
+    assert torch.allclose(features, expected, atol=1e-4)
+    assert torch.allclose(hidden, states[-1][0], atol=1e-4)
+
+
+def test_written_heads_load_back_identical(bigram_target, trained_eagle3_head, tmp_path):
+    from drafting.head_loader import save_head
+
+    head = load(trained_eagle3_head, bigram_target)
+    copy = save_head(head, tmp_path / "copy", {"rope_theta": 10000.0}, torch.float32)
+    again = load(copy, bigram_target)
+    for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        (dict(weights=lambda w: w.update(d2t=w["d2t"] + 1000)), "d2t must map"),
+        (dict(weights=lambda w: w.pop("d2t")), "reduced draft vocabulary needs d2t"),
+        (
+            dict(
+                config=lambda c: c["eagle_config"].update(
+                    eagle_aux_hidden_state_layer_ids=[0, 1, 7]
+                )
+            ),
+            "feature layers",
+        ),
+        (dict(config=lambda c: c.update(target_hidden_size=128)), "target_hidden_size"),
+        (dict(config=lambda c: c.update(vocab_size=512)), "vocabulary"),
+        (dict(config=lambda c: c.update(num_hidden_layers=2)), "layers are not supported"),
+        (dict(weights=lambda w: w.pop("midlayer.hidden_norm.weight")), "lacks 1 weights"),
+    ],
+)
+def test_heads_that_cannot_work_are_refused_with_the_reason(
+    bigram_target, random_eagle3_head, tmp_path, breakage, message
+):
+    broken = edit(random_eagle3_head, tmp_path, **breakage)
+    with pytest.raises(ModelLoadError, match=message):
+        load(broken, bigram_target)
+
+
+def test_train_head_writes_an_eagle3_head_the_engine_drafts_with(bigram_target, tmp_path):
+    from drafting.training.trainer import TrainConfig, train_head
+
+    data = write_jsonl(tmp_path / "data.jsonl", 60)
+    config = TrainConfig(
+        str(bigram_target),
+        str(data),
+        tmp_path / "run",
+        arch="eagle3",
+        epochs=1,
+        batch_tokens=512,
+        draft_vocab_size=64,
+        unroll_steps=2,
+        eval_conversations=2,
+        eval_max_tokens=8,
+    )
+    folder = train_head(config)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLMEagle3"
+    ]
+    head = load(folder, bigram_target)
+    assert len(head.draft_vocab) == 64
