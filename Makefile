@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 STAMP  := $(VENV)/.aerie-installed
 
-.PHONY: setup model serve test lint bench tools
+.PHONY: setup model serve test lint bench tools head-campaign
 
 $(PYTHON):
 	python3 -m venv $(VENV)
@@ -47,3 +47,13 @@ test: setup tools lint
 
 bench: setup
 	$(PYTHON) benchmarks/bench_engine.py
+
+# The draft head's training campaign (drafting/training/campaign.py), in the background: rerun it
+# on any machine to resume where it stopped. Its state lives outside the checkout.
+CAMPAIGN ?= $(HOME)/.cache/aerie/runs/campaign-eagle3
+ROUNDS   ?= 500,1000,2000,4000,8000,17500
+head-campaign: setup
+	mkdir -p $(CAMPAIGN)
+	nohup nice -n 19 $(VENV)/bin/aerie head-campaign --out $(CAMPAIGN) --rounds $(ROUNDS) \
+	  --dev-set $(CURDIR)/benchmarks/data/dev_set.jsonl >> $(CAMPAIGN)/log.txt 2>&1 & \
+	  echo $$! > $(CAMPAIGN)/pid

@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     _add_generate(commands)
     _add_train_head(commands)
     _add_distill_data(commands)
+    _add_head_campaign(commands)
     _add_bench(commands)
     _add_convert(commands)
     args = parser.parse_args(argv)
@@ -106,6 +107,24 @@ def _add_distill_data(commands) -> None:
     cmd.add_argument("--out", required=True, help="JSONL to write (appended to when rerun)")
     _add_dataclass_flags(cmd, DistillConfig, skip=("target", "data", "out"))
     cmd.set_defaults(run=_distill_data)
+
+
+def _add_head_campaign(commands) -> None:
+    from drafting.training.campaign import CampaignConfig
+
+    cmd = commands.add_parser(
+        "head-campaign", help="distil, train and measure a head in resumable rounds"
+    )
+    cmd.add_argument("--target", default=DEFAULT_MODEL, help="the model the head drafts for")
+    cmd.add_argument("--out", required=True, help="run folder (rerun to resume)")
+    cmd.add_argument("--dev-set", required=True, help="benchmarks/data/dev_set.jsonl")
+    cmd.add_argument(
+        "--rounds",
+        default=",".join(map(str, CampaignConfig.rounds)),
+        help="conversations distilled by the end of each round",
+    )
+    _add_dataclass_flags(cmd, CampaignConfig, skip=("target", "out", "dev_set", "rounds", "train"))
+    cmd.set_defaults(run=_head_campaign)
 
 
 def _add_dataclass_flags(cmd, config_class, skip: tuple[str, ...]) -> None:
@@ -204,6 +223,17 @@ def _distill_data(args: argparse.Namespace) -> None:
     from drafting.training.distill import DistillConfig, distill
 
     print(f"answers written to {distill(_config_from_args(DistillConfig, args))}")
+
+
+def _head_campaign(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from drafting.training.campaign import CampaignConfig, run_campaign
+
+    args.rounds = tuple(int(r) for r in args.rounds.split(","))
+    args.out, args.dev_set = Path(args.out), Path(args.dev_set)
+    config = _config_from_args(CampaignConfig, args)
+    print(f"learning curve written to {run_campaign(config)}")
 
 
 def _bench_serve(args: argparse.Namespace) -> None:

@@ -8,10 +8,10 @@ later user turn after its own earlier answers, while the context fits `max_conte
 `sampled_temperature`, so heads also learn the text sampled requests produce; the rest greedily.
 
 Conversations stream through the engine's continuous batching, one turn of each in flight at a time
-(a finished turn's follow-up joins the batch at once and reuses its cached prefix). Records are
-written in source order as soon as those before them are, so a rerun continues after the last
-complete line: each record names its source conversation, and a rerun resumes after the last one.
-The held-out slice (`HOLDOUT_EVERY`) is skipped, as are conversations whose first turn does not fit.
+(a finished turn's follow-up joins the batch at once and reuses its cached prefix). Each record is
+written as soon as its conversation is complete, naming its source conversation, so a long one
+never holds back the others and a rerun answers only the sources no record names. The held-out
+slice (`HOLDOUT_EVERY`) is skipped, as are conversations whose first turn does not fit.
 """
 
 from __future__ import annotations
@@ -80,9 +80,10 @@ class _Replay:
 def distill(config: DistillConfig) -> Path:
     """Append the target's answers to `config.out` until it holds `max_conversations` records."""
     out = Path(config.out)
-    done, last_source = _complete_records(out)
+    written = _written_sources(out)
+    done = len(written)
     llm = LLM(config.target, draft=None, max_num_seqs=config.max_num_seqs)
-    sources = (s for s in _training_conversations(config) if s[0] > last_source)
+    sources = (s for s in _training_conversations(config) if s[0] not in written)
     total = config.max_conversations
     bar = tqdm(total=total, initial=done, desc="distilling", unit="conversation")
     with out.open("a") as file:
@@ -95,11 +96,10 @@ def distill(config: DistillConfig) -> Path:
 
 
 def _answers(llm: LLM, sources: Iterable[tuple[int, list[Message]]], config: DistillConfig):
-    """JSONL records of the replayed conversations, in source order. Twice `max_num_seqs`
-    conversations are kept in flight, so a finished one's slot is taken by the next at once."""
+    """JSONL records of the replayed conversations, each as soon as it is complete. Twice
+    `max_num_seqs` conversations are kept in flight, so a finished one's slot is taken at once."""
     engine = llm.engine
     sources = iter(sources)
-    pending: list[_Replay] = []  # in source order, until written
     in_flight: dict[str, tuple[_Replay, RequestOutput | None]] = {}
     while True:
         while len(in_flight) < 2 * config.max_num_seqs:
@@ -107,8 +107,8 @@ def _answers(llm: LLM, sources: Iterable[tuple[int, list[Message]]], config: Dis
             if item is None:
                 break
             replay = _Replay(*item)
-            pending.append(replay)
-            _submit_next_turn(llm, replay, config, in_flight)
+            if not _submit_next_turn(llm, replay, config, in_flight):
+                continue  # its first turn does not fit
         if not engine.has_unfinished_requests():
             break
         for delta in engine.step():
@@ -122,34 +122,25 @@ def _answers(llm: LLM, sources: Iterable[tuple[int, list[Message]]], config: Dis
                 answer = {"role": "assistant", "content": output.outputs[0].text}
                 replay.messages.extend([replay.asked, answer])
                 replay.turns_answered += 1
-                _submit_next_turn(llm, replay, config, in_flight)
-        yield from _written(pending, in_flight)
-    yield from _written(pending, in_flight)
+                if not _submit_next_turn(llm, replay, config, in_flight):
+                    yield replay.record()
 
 
-def _submit_next_turn(llm: LLM, replay: _Replay, config: DistillConfig, in_flight: dict) -> None:
-    """Queue the replay's next user turn, if it has one that fits; otherwise it is complete."""
+def _submit_next_turn(llm: LLM, replay: _Replay, config: DistillConfig, in_flight: dict) -> bool:
+    """Queue the replay's next user turn, if it has one that fits; False: it is complete."""
     if replay.turns_answered >= config.max_turns:
-        return
+        return False
     prompt = replay.next_prompt()
     if prompt is None:
-        return
+        return False
     ids = llm.apply_chat_template(prompt)
     if len(ids) + config.max_tokens > config.max_context_tokens:
-        return
+        return False
     replay.asked = prompt[-1]
     request_id = f"{replay.index}:{replay.turns_answered}"
     llm.engine.add_request(request_id, ids, _params(config, replay.index, replay.turns_answered))
     in_flight[request_id] = (replay, None)
-
-
-def _written(pending: list[_Replay], in_flight: dict) -> Iterator[str]:
-    """Records of the leading complete replays (answered at least once), removed from `pending`."""
-    busy = {id(replay) for replay, _ in in_flight.values()}
-    while pending and id(pending[0]) not in busy:
-        replay = pending.pop(0)
-        if replay.turns_answered:
-            yield replay.record()
+    return True
 
 
 def _params(config: DistillConfig, index: int, turn: int) -> SamplingParams:
@@ -173,14 +164,13 @@ def _training_conversations(config: DistillConfig) -> Iterator[tuple[int, list[M
             yield index, messages
 
 
-def _complete_records(path: Path) -> tuple[int, int]:
-    """How many whole records `path` holds and the source index of the last (-1 if none); a line
-    cut off by an interruption is removed."""
+def _written_sources(path: Path) -> set[int]:
+    """The source conversations `path` holds records of; a line cut off by an interruption is
+    removed."""
     if not path.exists():
-        return 0, -1
+        return set()
     text = path.read_text()
     complete = text[: text.rfind("\n") + 1]
     if complete != text:
         path.write_text(complete)
-    lines = complete.splitlines()
-    return len(lines), json.loads(lines[-1])["source"] if lines else -1
+    return {json.loads(line)["source"] for line in complete.splitlines()}

@@ -1,11 +1,12 @@
 """`aerie train-head`: train an EAGLE-1/2 or EAGLE-3 head (`--arch`) for a target, on CPU or CUDA.
 
 Stage 1 runs the target once over the training conversations and caches its features (fp16,
-sharded on disk), so the epochs of stage 2 never rerun the target. Stage 2 trains the head with the
-EAGLE recipe (objective.py), checkpointing as it goes (`--resume` continues), and after each
-epoch writes the head in the published EAGLE format and measures its acceptance length with the
-real engine on held-out conversations. `OUT/head` is the epoch that measured best (a small head
-overfits a small corpus, so the last epoch is not always the best); `OUT/last-head` the latest.
+sharded on disk, read back memory-mapped), so the epochs of stage 2 never rerun the target.
+Stage 2 trains the head with the EAGLE recipe (objective.py), checkpointing as it goes (`--resume`
+continues), and after each epoch writes the head in its published format and measures its
+acceptance length with the real engine on held-out conversations. `OUT/head` is the epoch that
+measured best (a small head overfits a small corpus, so the last epoch is not always the best);
+`OUT/last-head` the latest.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
@@ -121,11 +124,13 @@ class HeadTrainer:
                 yield tokenized
 
     def held_out_prompts(self) -> list[list[int]]:
-        """First user turns of held-out conversations, through the chat template."""
+        """First user turns (after any system message) of held-out conversations, through the
+        chat template."""
         prompts = []
         for index, messages in enumerate(load_conversations(self.config.data)):
-            if index % HOLDOUT_EVERY == 0 and messages[0]["role"] == "user":
-                prompts.append(self.llm.apply_chat_template(messages[:1]))
+            first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+            if index % HOLDOUT_EVERY == 0 and first_user is not None:
+                prompts.append(self.llm.apply_chat_template(messages[: first_user + 1]))
             if len(prompts) == self.config.eval_conversations:
                 break
         return prompts
@@ -144,9 +149,12 @@ class HeadTrainer:
             "token_ids": torch.tensor([t for s in sequences for t in s], dtype=torch.int32),
             "loss_mask": torch.tensor([m for c in conversations for m in c.loss_mask]),
             "lengths": torch.tensor([len(s) for s in sequences], dtype=torch.int32),
-            "features": torch.cat(features).half(),
         }
         path = folder / f"shard-{index:05d}.safetensors"
+        # features beside, as .npy: training maps them from disk instead of holding every shard
+        with path.with_suffix(".tmp.npy").open("wb") as file:
+            np.save(file, torch.cat(features).half().numpy())
+        os.replace(path.with_suffix(".tmp.npy"), path.with_suffix(".npy"))
         save_file(tensors, str(path.with_suffix(".tmp")))
         os.replace(path.with_suffix(".tmp"), path)
         tokens = int(tensors["token_ids"].numel())
@@ -185,7 +193,8 @@ class HeadTrainer:
             bar.close()
             state.update(epoch=epoch + 1, batch=0)
             length = self._evaluate(head, prompts, epoch + 1)
-            if length > state.get("best_acceptance_length", 0.0):
+            best = state.get("best_acceptance_length", 0.0)
+            if length > best or not (self.out / "head").exists():
                 shutil.copytree(self.out / "last-head", self.out / "head", dirs_exist_ok=True)
                 state["best_acceptance_length"] = length
             self._checkpoint(head, optimizer, state)
@@ -346,7 +355,10 @@ def _read_shard(path: Path) -> list[TrainingExample]:
     lengths = tensors["lengths"].tolist()
     ids = tensors["token_ids"].long().split(lengths)
     masks = tensors["loss_mask"].bool().split(lengths)
-    features = tensors["features"].split(lengths)
+    mapped = np.load(path.with_suffix(".npy"), mmap_mode="r")  # [tokens, F'] fp16, on disk
+    with warnings.catch_warnings():  # read-only memory: the objective only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        features = torch.from_numpy(mapped).split(lengths)
     return [TrainingExample(i, f, m) for i, f, m in zip(ids, features, masks)]
 
 

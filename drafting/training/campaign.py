@@ -1,0 +1,135 @@
+"""`aerie head-campaign`: distil, train and measure a draft head in rounds of growing data, for
+as many sessions as it takes.
+
+Round r distils the target's answers until the data holds `rounds[r]` conversations
+(`distill-data`), trains a head on all of them starting from the previous round's (`train-head`),
+and measures it on the dev set per category and tree shape. Every stage resumes where it stopped:
+distillation after its last complete record, feature caching after its last shard, training from
+its last checkpoint (every `checkpoint_every` optimizer steps, a minute or two on two cores), and
+a round's measurement is redone if it was cut short. The learning curve, one record per finished
+round, is `OUT/head_training.json`; `OUT/best-head` is the head of the round that measured best.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from drafting.training.dev_set import read_dev_set
+from drafting.training.distill import DistillConfig, distill
+from drafting.training.evaluation import DEFAULT_TREE, acceptance_lengths
+from drafting.training.trainer import TrainConfig, train_head
+from engine.errors import AerieError
+
+
+@dataclass(frozen=True)
+class CampaignConfig:
+    target: str
+    out: Path
+    dev_set: Path
+    data: str = "sharegpt"  # the source conversations (load_conversations)
+    rounds: tuple[int, ...] = (1000, 2000, 4000, 8000, 17500)  # conversations distilled
+    arch: str = "eagle3"
+    epochs: int = 2
+    draft_vocab_size: int = 8192
+    unroll_steps: int = 3
+    max_tokens: int = 512  # per distilled answer
+    sampled_share: float = 0.25
+    eval_max_tokens: int = 128
+    train: dict = field(default_factory=dict)  # further TrainConfig fields
+
+    def __post_init__(self) -> None:
+        if not self.rounds or list(self.rounds) != sorted(set(self.rounds)):
+            raise AerieError(f"rounds must be increasing conversation counts, got {self.rounds}")
+
+
+def run_campaign(config: CampaignConfig) -> Path:
+    """Run every round not yet recorded; return the learning curve's path."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    curve_path = out / "head_training.json"
+    curve = json.loads(curve_path.read_text()) if curve_path.exists() else []
+    dev_set = read_dev_set(config.dev_set)
+    for index, conversations in enumerate(config.rounds):
+        if index < len(curve):
+            continue
+        data = _distilled(config, out, conversations)
+        previous = out / f"round-{config.rounds[index - 1]}" / "head" if index else None
+        head = _trained(config, data, out / f"round-{conversations}", conversations, previous)
+        acceptance = acceptance_lengths(
+            config.target, head, dev_set, max_tokens=config.eval_max_tokens
+        )
+        seen = (curve[-1]["training_tokens_seen"] if curve else 0) + _tokens_trained(head.parent)
+        curve.append(
+            {
+                "round": index,
+                "conversations": conversations,
+                "arch": config.arch,
+                "training_tokens_seen": seen,
+                "acceptance_length": acceptance,
+                "head": str(head),
+            }
+        )
+        curve_path.write_text(json.dumps(curve, indent=2) + "\n")
+        _keep_best(out, curve)
+    return curve_path
+
+
+def _distilled(config: CampaignConfig, out: Path, conversations: int) -> Path:
+    data = out / "distilled.jsonl"
+    distill(
+        DistillConfig(
+            config.target,
+            config.data,
+            data,
+            max_conversations=conversations,
+            max_tokens=config.max_tokens,
+            max_turns=4,
+            sampled_share=config.sampled_share,
+        )
+    )
+    return data
+
+
+def _trained(
+    config: CampaignConfig, data: Path, folder: Path, conversations: int, previous: Path | None
+) -> Path:
+    train = TrainConfig(
+        config.target,
+        str(data),
+        folder,
+        arch=config.arch,
+        max_conversations=conversations,
+        epochs=config.epochs,
+        draft_vocab_size=config.draft_vocab_size,
+        unroll_steps=config.unroll_steps,
+        init_head=str(previous) if previous else None,
+        resume=(folder / "checkpoint.pt").exists(),
+    )
+    head = train_head(replace(train, **config.train))
+    if not (head / "config.json").exists():
+        raise AerieError(f"training in {folder} wrote no head")
+    return head
+
+
+def _tokens_trained(folder: Path) -> int:
+    """Tokens the round's training read: its cached tokens times the epochs it ran."""
+    from safetensors.torch import load_file
+
+    shards = sorted(folder.glob("features*/shard-*.safetensors"))
+    tokens = sum(int(load_file(str(s))["token_ids"].numel()) for s in shards)
+    epochs = max((json.loads(r).get("epoch", 0) for r in _log_lines(folder)), default=0)
+    return tokens * epochs
+
+
+def _log_lines(folder: Path) -> list[str]:
+    log = folder / "train_log.jsonl"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def _keep_best(out: Path, curve: list[dict]) -> None:
+    """Copy the head of the round with the best dev-set acceptance (default tree) to best-head."""
+    best = max(curve, key=lambda r: r["acceptance_length"][DEFAULT_TREE.name]["all"])
+    shutil.copytree(best["head"], out / "best-head", dirs_exist_ok=True)
