@@ -68,6 +68,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise AerieError(f"--arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch}")
+        if self.arch == "eagle2" and self.draft_vocab_size:
+            raise AerieError(
+                "a reduced draft vocabulary is published only in the EAGLE-3 format, which other "
+                "engines read: use --arch eagle3 with --draft-vocab-size"
+            )
         if self.unroll_steps < 1:
             raise AerieError(f"--unroll-steps must be at least 1, got {self.unroll_steps}")
 

@@ -127,12 +127,18 @@ def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
 
 
 def test_a_reduced_vocabulary_head_is_trained_on_its_tokens(bigram_target, tmp_path):
-    head = train_head(quick_config(bigram_target, tmp_path, 30, draft_vocab_size=24))
-    vocab = json.loads((head / "draft_vocab.json").read_text())["token_ids"]
+    head = train_head(quick_config(bigram_target, tmp_path, 30, draft_vocab_size=24, arch="eagle3"))
+    spec = LLM(str(bigram_target), draft=None).engine.spec
+    vocab = load_head(head, spec, 256, torch.device("cpu"), torch.float32).draft_vocab.tolist()
     tokenizer = load_tokenizer(str(bigram_target))
     assistant_tokens = {tokenizer.convert_tokens_to_ids(c) for c in "ABCDEFGH"}
     assert len(vocab) == 24 and assistant_tokens <= set(vocab)
     assert_decodes_as_plain(bigram_target, head)
+
+
+def test_an_eagle2_head_with_a_reduced_vocabulary_is_refused(bigram_target, tmp_path):
+    with pytest.raises(AerieError, match="only in the EAGLE-3 format"):
+        quick_config(bigram_target, tmp_path, 30, draft_vocab_size=24)
 
 
 def test_reduced_vocabulary_loss_ignores_the_other_lm_head_rows(bigram_target, random_head):

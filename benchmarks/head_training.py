@@ -1,0 +1,59 @@
+"""The head campaign's learning curve, copied into benchmarks/results with its plot: acceptance
+length on the dev set, per category and tree shape, against training tokens seen.
+
+    make head-campaign                                       # runs (or resumes) in the background
+    .venv/bin/python benchmarks/head_training.py             # results/head_training.json + .png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+from plotting import png_figure
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CAMPAIGN = Path.home() / ".cache" / "aerie" / "runs" / "campaign-eagle3"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--campaign", type=Path, default=CAMPAIGN, help="its --out folder")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    curve = json.loads((args.campaign / "head_training.json").read_text())
+    result = {
+        "machine": f"{platform.machine()}, {_cpu_name()}",
+        "command": f"make head-campaign CAMPAIGN={args.campaign}",
+        "rounds": [{k: v for k, v in r.items() if k != "head"} for r in curve],
+    }
+    (args.out_dir / "head_training.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(curve, args.out_dir / "head_training.png")
+
+
+def plot(curve: list[dict], path: Path) -> None:
+    shapes = list(curve[0]["acceptance_length"])
+    with png_figure(path, ncols=len(shapes), figsize=(6 * len(shapes), 4.2)) as axes:
+        for ax, shape in zip(axes if len(shapes) > 1 else [axes], shapes):
+            tokens = [r["training_tokens_seen"] / 1e6 for r in curve]
+            for category in curve[0]["acceptance_length"][shape]:
+                lengths = [r["acceptance_length"][shape][category] for r in curve]
+                ax.plot(tokens, lengths, marker="o", label=category)
+            ax.set(
+                title=f"tree {shape}", xlabel="training tokens seen (M)", ylabel="acceptance length"
+            )
+            ax.grid(alpha=0.3)
+            ax.legend()
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()
