@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 STAMP  := $(VENV)/.aerie-installed
 
-.PHONY: setup model serve test lint bench tools head-campaign
+.PHONY: setup model serve test test-fast lint bench tools head-campaign
 
 $(PYTHON):
 	python3 -m venv $(VENV)
@@ -44,6 +44,11 @@ lint: $(STAMP)
 
 test: setup tools lint
 	$(PYTHON) -m pytest -q
+
+# The contributor's quick loop (CONTRIBUTING.md): the engine and drafting tests but the `slow`
+# ones; no servers, no deployment tools, no lint. `make test` stays the whole suite, as CI runs it.
+test-fast: $(STAMP)
+	$(PYTHON) -m pytest -q -m "not slow" tests/engine tests/drafting
 
 bench: setup
 	$(PYTHON) benchmarks/bench_engine.py

@@ -43,10 +43,9 @@ class EngineConfig:
     # "torch" always SDPA; "flash" insists on flash-attn (layers/flash_attention.py)
     attention_backend: str = "auto"
     draft: str | None = None  # EAGLE-1/2 head folder; None: plain autoregressive decoding
-    # The tree's defaults were chosen by benchmarks/bench_tree_sweep.py on this project's 2-core CPU
-    # machine (benchmarks/results/tree_sweep_xeon.json): verifying extra tokens and running the
-    # head are dear on a CPU, so small, shallow trees win there. GPUs want larger ones (the paper:
-    # 10, 6, 60).
+    # The tree's defaults were chosen with benchmarks/bench_tree_sweep.py on a 2-core CPU, where
+    # each head pass is dear and small, shallow trees win. GPUs want larger ones (the paper: 10, 6,
+    # 60).
     draft_top_k: int = 4  # children scored per expanded node
     draft_depth: int = 2  # draft layers (head passes per step)
     draft_total_tokens: int = 4  # tree nodes verified per sequence at most, the root included

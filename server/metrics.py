@@ -1,8 +1,8 @@
 """Prometheus metrics fed from the engine's StepStats records (engine/ never imports Prometheus).
 
 Names follow vLLM's (`vllm:` becomes `aerie_`), in base units: seconds, tokens, ratios 0..1;
-counters end in `_total` (prometheus-client appends it). Every series carries `model_name`. The
-README's "Metrics" section lists them; configs/grafana/ holds the dashboard built on them.
+counters end in `_total` (prometheus-client appends it). Every series carries `model_name`.
+docs/metrics.md lists them; configs/grafana/ holds the dashboard built on them.
 
 Series that depend on the engine (the length buckets, which follow the context length, and the
 speculative-decoding family, which exists only when a draft head is loaded) are registered by

@@ -1,11 +1,9 @@
 """Which kernels run the linears on this machine: the format of each weight's second copy, and up to
 how many rows BLAS's GEMV on the plain weight serves a pass instead.
 
-The kernels rank differently from one CPU to another (layers/cpu_linear.py): on the AMD EPYC
-(AVX2) of this project's first machines oneDNN's blocked weights were the fastest at every pass
-size; on an Intel Xeon with AVX-512, BLAS's GEMV is the fastest for one row and MKL's packed GEMM
-from four rows (benchmarks/results/weight_layout_xeon.json). So at start-up the engine times whole
-passes of one-token sequences, the candidates taking turns in every round:
+The kernels rank differently from one CPU to another (layers/cpu_linear.py;
+benchmarks/bench_weight_layout.py), so at start-up the engine times whole passes of one-token
+sequences, the candidates taking turns in every round:
 
 1. the format: oneDNN against MKL-packed (where PyTorch has MKL) on passes of 4, 8, 16 and 64
    sequences, BLAS serving none; MKL-packed is kept when its times average under 95% of oneDNN's,
@@ -15,9 +13,7 @@ passes of one-token sequences, the candidates taking turns in every round:
    clearly faster;
 3. padding: passes of 1 to 8 sequences, the sizes taking turns; a pass of m rows (beyond BLAS's)
    is computed as the fastest pass of m to 8 rows (zero rows added) when that is clearly faster
-   than m rows. On the AMD EPYC with AVX-512 oneDNN is slower for one or two rows than for three
-   to six, and padding sped two requests decoding at once up by 8% (benchmarks/
-   bench_padded_passes.py).
+   than m rows (some kernels are slower for one or two rows than for four).
 
 The kernels sum in different orders, so they agree to float rounding, as any two BLAS kernels do.
 A model whose weights fit in a CPU's caches is not timed (its passes do not stream weights, so the

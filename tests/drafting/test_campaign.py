@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from drafting.training.campaign import CampaignConfig, run_campaign
 from drafting.training.dev_set import CATEGORIES, category_of
 from tests.drafting.test_distill import write_multi_turn
@@ -28,6 +30,7 @@ def test_prompts_are_sorted_into_categories():
     assert category_of("Write a travel blog post about Hawaii") == "writing"
 
 
+@pytest.mark.slow
 def test_rounds_record_a_learning_curve_and_a_rerun_resumes(bigram_target, tmp_path):
     data = write_multi_turn(tmp_path / "source.jsonl", [2, 1, 3, 1, 2, 2, 1, 1, 2, 1])
     config = CampaignConfig(

@@ -37,6 +37,7 @@ def replay_by_hand(llm: LLM, source: list[dict], max_tokens: int) -> list[dict]:
     return messages
 
 
+@pytest.mark.slow
 def test_each_turn_is_answered_after_the_targets_own_earlier_answers(bigram_target, tmp_path):
     source = write_multi_turn(tmp_path / "source.jsonl", [1, 3, 2, 1, 4])
     out = tmp_path / "answers.jsonl"
@@ -52,6 +53,7 @@ def test_each_turn_is_answered_after_the_targets_own_earlier_answers(bigram_targ
         assert record["messages"] == replay_by_hand(llm, sources[index], max_tokens=8)
 
 
+@pytest.mark.slow
 def test_turns_stop_where_the_context_would_overflow(bigram_target, tmp_path):
     source = write_multi_turn(tmp_path / "source.jsonl", [1, 6])
     out = tmp_path / "answers.jsonl"
@@ -70,6 +72,7 @@ def test_turns_stop_where_the_context_would_overflow(bigram_target, tmp_path):
     assert len(llm.apply_chat_template([*messages, next_turn])) + 8 > 90  # the next would not
 
 
+@pytest.mark.slow
 def test_a_rerun_repairs_a_cut_line_and_continues(bigram_target, tmp_path):
     source = write_jsonl(tmp_path / "source.jsonl", 12)
     out = tmp_path / "answers.jsonl"
@@ -84,6 +87,7 @@ def test_a_rerun_repairs_a_cut_line_and_continues(bigram_target, tmp_path):
     assert rerun[:3] == lines[:3] and sorted(rerun) == sorted(lines)
 
 
+@pytest.mark.slow
 def test_the_sampled_share_is_spread_evenly_and_seeded(bigram_target, tmp_path):
     assert [_is_sampled(i, 0.25) for i in range(8)] == [False, False, False, True] * 2
     assert not any(_is_sampled(i, 0.0) for i in range(50))
@@ -107,6 +111,7 @@ def test_an_invalid_share_is_refused():
         DistillConfig("m", "d", "o", sampled_share=1.5)
 
 
+@pytest.mark.slow
 def test_conversations_stream_through_two_slots_and_name_their_sources(bigram_target):
     # Two slots and 16 tokens a step: turns are admitted as slots free up, long prompts prefill
     # in chunks beside others' decodes; a short conversation is written before a long one ends.

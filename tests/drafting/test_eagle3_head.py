@@ -177,6 +177,7 @@ def test_heads_that_cannot_work_are_refused_with_the_reason(
         load(broken, bigram_target)
 
 
+@pytest.mark.slow
 def test_train_head_writes_an_eagle3_head_the_engine_drafts_with(bigram_target, tmp_path):
     from drafting.training.trainer import TrainConfig, train_head
 

@@ -99,6 +99,7 @@ def chi_square_p_value(counts: dict, expected: dict) -> float:
     return float(scipy.stats.chisquare(observed, [e * scale for e in predicted]).pvalue)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head", ["random", "trained", "eagle3"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_speculative_sampling_matches_the_target_distribution(small_vocab, head, setting):
@@ -107,6 +108,7 @@ def test_speculative_sampling_matches_the_target_distribution(small_vocab, head,
     assert chi_square_p_value(counts, expected) > 0.001
 
 
+@pytest.mark.slow
 def test_trees_cut_by_the_adaptive_budget_stay_lossless(small_vocab):
     """A verify cost under which only likely nodes pay, and a probe every other step: trees of
     every size from empty to whole, and plain steps between drafted ones."""
@@ -145,6 +147,7 @@ def accept_with_draft_probability(tree, children, p, generator):
     return None, int(torch.multinomial(p, 1, generator=generator))
 
 
+@pytest.mark.slow
 def test_the_check_catches_a_broken_acceptance_rule(small_vocab, monkeypatch):
     monkeypatch.setattr(drafting.eagle_drafter, "accept_at_node", accept_with_draft_probability)
     setting = SETTINGS["temperature 1"]

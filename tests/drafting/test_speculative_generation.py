@@ -87,6 +87,7 @@ def test_greedy_speculation_equals_plain_decoding(bigram_target, head, scenario,
         assert accepted < 0.05 * drafted, "a random head is almost never right"
 
 
+@pytest.mark.slow
 def test_a_compiled_target_speculates_as_the_eager_one_decodes(bigram_target, trained_head):
     """torch.compile (fused kernels, frozen weights) verifying trees of many sequences at once
     gives the eager engine's plain greedy output."""

@@ -99,6 +99,7 @@ def assert_decodes_as_plain(target, head) -> None:
     assert plain[0].outputs[0].token_ids == drafted[0].outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
     config = quick_config(bigram_target, tmp_path, 60, shard_tokens=1500, checkpoint_every=3)
     head = train_head(config)
@@ -126,6 +127,7 @@ def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
     assert saved["state"]["best_acceptance_length"] == max(first, second)
 
 
+@pytest.mark.slow
 def test_a_reduced_vocabulary_head_is_trained_on_its_tokens(bigram_target, tmp_path):
     head = train_head(quick_config(bigram_target, tmp_path, 30, draft_vocab_size=24, arch="eagle3"))
     spec = LLM(str(bigram_target), draft=None).engine.spec
@@ -190,6 +192,7 @@ def draft_chain_prediction(head, embedding, tokens, features, end: int, depth: i
     return predicted[0]
 
 
+@pytest.mark.slow
 def test_unrolled_training_sees_exactly_what_a_draft_chain_sees(bigram_target, random_head):
     llm = LLM(str(bigram_target), draft=None)
     target = llm.engine.runner.model
@@ -212,6 +215,7 @@ def test_unrolled_training_sees_exactly_what_a_draft_chain_sees(bigram_target, r
             start += n
 
 
+@pytest.mark.slow
 def test_fine_tuning_a_head_unrolled_starts_from_its_weights(bigram_target, trained_head, tmp_path):
     def first_step(run: str, **overrides) -> dict:
         (tmp_path / run).mkdir()

@@ -87,7 +87,10 @@ ENGINE_SETUPS = {
 }
 
 
-@pytest.mark.parametrize("setup", ENGINE_SETUPS)
+@pytest.mark.parametrize(
+    "setup",
+    [pytest.param(s, marks=pytest.mark.slow) if s == "torch-compile" else s for s in ENGINE_SETUPS],
+)
 def test_greedy_matches_transformers(setup, generation_model, prompts, references) -> None:
     dynamo_counters.clear()
     options = ENGINE_SETUPS[setup]

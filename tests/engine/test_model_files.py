@@ -351,6 +351,7 @@ def converted(default_cache: Path) -> Path:
         return model_files.resolve_model_path(ALIAS)
 
 
+@pytest.mark.slow
 def test_default_model_converted(converted: Path, default_cache: Path) -> None:
     assert converted == default_cache / ALIAS
     names = {path.name for path in converted.iterdir()}
@@ -361,6 +362,7 @@ def test_default_model_converted(converted: Path, default_cache: Path) -> None:
     assert (converted / "model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.slow
 def test_default_model_config(converted: Path) -> None:
     config = model_files.load_config(converted)
     assert config.model_type == "llama"
@@ -373,6 +375,7 @@ def test_default_model_config(converted: Path) -> None:
     assert config.tie_word_embeddings is True
 
 
+@pytest.mark.slow
 def test_default_model_tokenizer(converted: Path) -> None:
     tokenizer = model_files.load_tokenizer(converted)
     assert tokenizer.chat_template
@@ -385,6 +388,7 @@ def test_default_model_tokenizer(converted: Path) -> None:
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_default_model_weights(converted: Path) -> None:
     state = model_files.load_state_dict(converted)
     assert "lm_head.weight" not in state
@@ -394,6 +398,7 @@ def test_default_model_weights(converted: Path) -> None:
     assert all(tensor.dtype == torch.float32 for tensor in state.values())
 
 
+@pytest.mark.slow
 def test_default_model_generates(converted: Path) -> None:
     """Greedy decoding answers correctly only if Q/K were un-permuted and dequantised right."""
     tokenizer = model_files.load_tokenizer(converted)
@@ -409,6 +414,7 @@ def test_default_model_generates(converted: Path) -> None:
     assert "Paris" in tokenizer.decode(output[0, prompt.shape[1] :])
 
 
+@pytest.mark.slow
 def test_resolve_reuses_conversion(
     converted: Path, default_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -420,6 +426,7 @@ def test_resolve_reuses_conversion(
     assert model_files.resolve_model_path(ALIAS) == converted
 
 
+@pytest.mark.slow
 def test_convert_skips_finished_conversion_of_same_file(
     converted: Path, default_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,14 +2,12 @@
 the K/V store and decode attention over the paged cache.
 
 At the few rows of a decode step each of these is a chain of small PyTorch kernels whose dispatch,
-allocation and thread wake-ups cost more than their arithmetic: a one-token pass of the default
-model runs 61 RMSNorms, 60 residual adds, 30 SiLU-and-muls, 30 rotaries and 30 attentions (each a
-K/V store, two gathers of the context's blocks and SDPA), a third of the pass outside its matmuls
-(benchmarks/bench_pass_breakdown.py). `cpu_kernels.c` does each in one call, as vLLM's CPU backend
-and llama.cpp do; attention reads K/V through the block tables in place, with flash attention's
-online softmax. It is compiled once per machine with the machine's C compiler (`$CC`, default
-`cc`; `-O3 -march=native`, OpenMP on PyTorch's own runtime) into `$AERIE_CACHE/kernels/` and
-loaded through ctypes; where no compiler works, the engine logs why and runs PyTorch's kernels.
+allocation and thread wake-ups cost more than their arithmetic (benchmarks/bench_pass_breakdown.py).
+`cpu_kernels.c` does each in one call, as vLLM's CPU backend and llama.cpp do; attention reads K/V
+through the block tables in place, with flash attention's online softmax. It is compiled once per
+machine with the machine's C compiler (`$CC`, default `cc`; `-O3 -march=native`, OpenMP on PyTorch's
+own runtime) into `$AERIE_CACHE/kernels/` and loaded through ctypes; where no compiler works, the
+engine logs why and runs PyTorch's kernels.
 
 The kernels compute each row alone, in an order that does not depend on the batch, and agree with
 PyTorch's to float rounding (sums run in another order). Inference only: no gradient flows through
@@ -39,8 +37,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 # Attention groups whose sequences bring at most this many queries run the fused kernel: decodes
 # and draft trees. Groups of more (prefill chunks) run SDPA, whose matmuls win from about 8 queries
-# on (benchmarks/results/decode_attention.json: at 8 queries the fused kernel takes 0.4-0.95x
-# SDPA's time, but for a lone sequence over 1,000 entries 1.1-1.25x; at 16 it loses more often).
+# on (benchmarks/bench_decode_attention.py).
 FUSED_MAX_QUERIES = 8
 MAX_ROWS = 1024  # a fused task's query rows at most (cpu_kernels.c)
 MAX_HEAD_DIM = 256  # a fused task's head size at most (cpu_kernels.c)

@@ -1,39 +1,25 @@
 """CPU linears: fp32 matmuls that read each weight once, however few the rows.
 
 A decode step multiplies a few rows (one token, a verify pass over draft trees, a batch of
-sequences each adding one token) by every weight of the model, so reading the weights should
-dominate and a few rows should cost about what one does. BLAS's `F.linear` on the plain weight
-falls short of that: MKL runs up to three rows as one GEMV each, at memory speed, and from four
-rows a GEMM that re-packs the weight on every call (whole passes of the default model on an Intel
-Xeon, row-major weights: 41.1 ms for 3 tokens, 67.4 for 4; benchmarks/results/
-weight_layout_xeon.json). Each CpuLinear
-therefore keeps a second copy of its weight, laid out once at load for a library kernel that
-reads it once for any number of rows, in one of two formats:
+sequences each adding one token) by every weight, so a few rows should cost about what one does.
+BLAS's `F.linear` falls short of that: from about four rows MKL runs a GEMM that re-packs the
+weight on every call. So each CpuLinear keeps a second copy of its weight, laid out once at load
+for a library kernel that reads it once for any number of rows:
 
-- oneDNN: the inner-product primitive (`torch.ops.mkldnn._linear_pointwise`) on a weight in its
-  blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, as inductor's freezing does for
-  low-precision weights). On the AMD EPYC (AVX2) of this project's first machines it beat every
-  other kernel at every pass size (whole passes of the default model: 14.2 ms for one token, 15.1
-  for 4, 22.0 for 16, where MKL's packed GEMM took 25.2, 42.8 and 54.0;
-  benchmarks/results/weight_layout.json).
-- MKL-packed: MKL's packed GEMM (`cblas_sgemm_pack` once through
-  `torch.ops.mkl._mkl_reorder_linear_weight`, `cblas_sgemm_compute` per call through
-  `torch.ops.mkl._mkl_linear`), which runs passes of up to `MKL_PACKED_MAX_ROWS` rows on the packed
-  copy and larger ones on the plain weight. On an Intel Xeon with AVX-512 it is the faster one from
-  two rows on (whole passes of the default model: 44.4 ms for 4 tokens and 64.7 for 16 sequences,
-  against oneDNN's 52.7 and 76.9, and BLAS's GEMV on the column-major weight 36.3 for one token;
-  benchmarks/results/weight_layout_xeon.json).
+- oneDNN: the inner-product primitive (`torch.ops.mkldnn._linear_pointwise`) on the blocked layout
+  of `torch.ops.mkldnn._reorder_linear_weight` (as inductor's freezing does);
+- MKL-packed: `cblas_sgemm_pack` once (`torch.ops.mkl._mkl_reorder_linear_weight`) and
+  `cblas_sgemm_compute` per call (`torch.ops.mkl._mkl_linear`), for passes of up to
+  `MKL_PACKED_MAX_ROWS` rows; larger ones run on the plain weight.
 
-Passes of at most `blas_max_rows` rows run BLAS's GEMV on the plain weight instead, which on the
-Xeon is the fastest for one row. Which format, and how many rows BLAS serves, depend on the machine,
-so the engine measures both at start-up (engine/execution/linear_kernels.py) and records them in one
-`LinearKernels` that all of an engine's CpuLinears share: the target's, its head's and the draft
-lm_head.
+Passes of at most `blas_max_rows` rows run BLAS's GEMV on the plain weight instead. Which kernel
+is fastest depends on the CPU (benchmarks/bench_weight_layout.py), so the engine measures it at
+start-up (engine/execution/linear_kernels.py) into one `LinearKernels` shared by the target's
+linears, its head's and the draft lm_head.
 
 The plain weight stays (for ties, such as the lm_head's with the embedding, and for anything that
-reads `.weight`); the second copy costs as much memory again. Results agree with `F.linear` to float
-rounding (the kernels sum in another order), as results of different BLAS kernels do. Inference
-only: the ops have no gradient.
+reads `.weight`); the copy costs as much memory again. Results agree with `F.linear` to float
+rounding. Inference only: the ops have no gradient.
 """
 
 from __future__ import annotations
@@ -70,8 +56,8 @@ class LinearKernels:
     """How every CpuLinear that shares this object runs: passes of at most `blas_max_rows` rows
     through BLAS on the plain weight, larger ones on the copy in `packed_format`, a pass of m rows
     padded with zero rows to `pad_to[m - 1]` rows where that is longer: a kernel can be faster for
-    a few more rows (oneDNN on the AMD EPYC with AVX-512: execution/linear_kernels.py), and each
-    row's result does not depend on the others."""
+    a few more rows on some CPUs (execution/linear_kernels.py), and each row's result does not
+    depend on the others."""
 
     packed_format: str = ONEDNN
     blas_max_rows: int = 0

@@ -1,11 +1,9 @@
 """A module whose call is its forward: the inference engine's layers skip nn.Module's call path.
 
 `nn.Module.__call__` looks for hooks, forward pre-hooks and global state on every call, a few
-microseconds each on a CPU. A one-token pass of the default model makes some 270 module calls (121
-linears, 61 norms, 30 each of attention, MLP and decoder layer), and that call path costs 0.8-1.8
-ms of a 40-49 ms pass (benchmarks/bench_pass_breakdown.py). The engine's modules register no
-hooks, so they call their forward directly; autograd, `state_dict`, `.to()` and torch.compile are
-unaffected.
+microseconds each on a CPU, and a one-token pass makes hundreds of module calls
+(benchmarks/bench_pass_breakdown.py). The engine's modules register no hooks, so they call their
+forward directly; autograd, `state_dict`, `.to()` and torch.compile are unaffected.
 """
 
 from torch import nn

@@ -1,23 +1,13 @@
 """Fp16Linear: a linear whose weight is stored in fp16 and multiplied by FBGEMM's fp16 GEMM (fp32
 activations in and out, fp32 accumulation), for the draft head and the draft lm_head on CPU.
 
-Drafting reads the head's weights and the draft lm_head's rows for every layer of a tree: at batch
-one that is some 70 MB of fp32 a step for the default model's head (two head passes and two
-draft-logit passes), an eighth of a plain step's weight traffic, and on a CPU it is paid at memory
-speed. Half the bytes cost about half the time: FBGEMM's fp16 kernel (the one behind PyTorch's
-`quantize_dynamic(..., dtype=torch.float16)`) converts the weight to fp32 in registers, so it runs
-at fp32's speed on the weight it reads. The shipped heads are fp16 files, so the head's weights lose
-nothing; the draft lm_head's rows (the target's fp32 weights) are rounded to fp16, which moves the
-draft logits by about 1e-3. Only drafts run here, never the target, so this changes which tokens
-are proposed at most at near-ties and the output not at all: the target verifies every draft.
-
-On the AMD EPYC of this project (the default model and its head, engines stepped in turns on the
-same MT-bench requests, `benchmarks/bench_draft_weights.py`, results/draft_weights.json): at one
-request, drafting took 4.33 ms a step against 6.51 with fp32 weights, and EAGLE ran 1.445x AR
-against 1.351x, with the same acceptance length (1.64, 1.65) and outputs equal to AR's.
-FBGEMM's int8 kernels (dynamic quantization) ran about as fast but drafted worse (acceptance 1.60
-against fp16's 1.63 in an ad hoc run of 10 prompts), so fp16 it is. FBGEMM is x86-only;
-elsewhere (`can_use_fp16_linear` false) the head keeps its fp32 CpuLinears.
+Drafting reads the head's weights and the draft lm_head's rows at every layer of a tree, at memory
+speed on a CPU. FBGEMM's fp16 kernel (the one behind `quantize_dynamic(..., dtype=torch.float16)`)
+converts the weight to fp32 in registers, so it reads half the bytes at fp32's arithmetic speed
+(benchmarks/bench_draft_weights.py). The shipped heads are fp16 files, so their weights lose
+nothing; the draft lm_head's rows are rounded to fp16, which moves draft logits by about 1e-3.
+Only drafts run here, never the target, which verifies every draft: the output does not change.
+FBGEMM is x86-only; elsewhere (`can_use_fp16_linear` false) the head keeps its fp32 CpuLinears.
 """
 
 from __future__ import annotations

@@ -71,16 +71,15 @@ def build_attention_metadata(
     """Metadata for one step, shared by every layer.
 
     Padding every sequence's queries to the longest one's would make a prefill chunk of 300 tokens
-    cost 300 query rows for each of the decodes beside it (a 64-sequence decode step with one such
-    chunk took 5x the time of the two apart). With `group_queries`, sequences are grouped by their
-    number of new tokens (power-of-two buckets: 1, 2, 3-4, 5-8, ...), one SDPA call per group, so
-    padding at most doubles a group's queries. Without it (torch.compile, whose graphs must not
-    change with the number of groups), one group holds them all.
+    cost 300 query rows for each of the decodes beside it (benchmarks/bench_mixed_step.py). With
+    `group_queries`, sequences are grouped by their number of new tokens (power-of-two buckets: 1,
+    2, 3-4, 5-8, ...), one SDPA call per group, so padding at most doubles a group's queries.
+    Without it (torch.compile, whose graphs must not change with the number of groups), one group
+    holds them all.
 
     The index arithmetic runs in numpy: it is a few dozen operations on arrays of a few to a few
-    thousand entries, where a torch operation's dispatch costs more than its work (in torch this
-    took 0.42 ms for one sequence, numpy 0.13: benchmarks/bench_attention_metadata.py; three
-    calls per drafting step, the head's two passes and the target's).
+    thousand entries, where a torch operation's dispatch costs more than its work
+    (benchmarks/bench_attention_metadata.py).
     """
     new = _NewTokens.of(sequences, block_size)
     members = (

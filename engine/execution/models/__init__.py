@@ -1,1 +1,2 @@
-"""Target model implementations and the registry that picks one for a checkpoint."""
+"""Target models: `ModelSpec` (the architecture facts read from a transformers config) and the one
+Llama-family `DecoderModel` that serves every supported family."""
