@@ -26,7 +26,12 @@ NEAR_TIE = 1e-4
 # to half this, and greedy tokens of bf16_generation_model trailing the best by under a third of
 # it; an error of context (one token changed, positions off by one) moves logits by 2-40 times it.
 BF16_RTOL = 2**-5
-CUDA_BACKENDS = ["torch", "flash"]  # the attention backends the `cuda` tests run
+# Where the bf16 tests run (device, attention backend): the CPU always, a GPU marked `cuda`.
+BF16_CPU = pytest.param("cpu", "torch", id="cpu")
+BF16_GPU = [
+    pytest.param("cuda", backend, id=f"cuda-{backend}", marks=pytest.mark.cuda)
+    for backend in ("torch", "flash")
+]
 HEAD_DIM = 16  # the tiny models' (hidden 64, 4 heads)
 VOCAB = 256  # the tiny models' vocabulary (tests/conftest.py)
 FIRST_TEXT_TOKEN = 3  # ids 0-2 are <pad>, <s>, </s>
@@ -39,17 +44,17 @@ def cpu_options(**options) -> dict:
     return {"device": "cpu", "dtype": "float32", "num_kv_blocks": 256, **options}
 
 
-def cuda_bf16_options(backend: str, **options) -> dict:
-    """Engine options on the GPU in bf16 with `backend`'s attention (a skip where flash-attn
+def bf16_options(device: str, backend: str, **options) -> dict:
+    """Engine options in bf16 on `device` with `backend`'s attention (a skip where flash-attn
     cannot run: not installed, or an older GPU)."""
     if backend == "flash":
         reason = flash_unavailable_reason(
-            torch.device("cuda"), torch.bfloat16, HEAD_DIM, compiled=False
+            torch.device(device), torch.bfloat16, HEAD_DIM, compiled=False
         )
         if reason is not None:
             pytest.skip(f"flash backend: {reason}")
     return {
-        "device": "cuda",
+        "device": device,
         "dtype": "bfloat16",
         "attention_backend": backend,
         "num_kv_blocks": 256,

@@ -1,5 +1,5 @@
-"""The engine's exactness on a CUDA GPU in bfloat16 (marker `cuda`: skipped where torch sees no
-GPU), through torch's attention and, where it is installed, flash-attn's.
+"""The engine's exactness in bfloat16: on the CPU, and on a CUDA GPU (marker `cuda`: skipped where
+torch sees none) through torch's attention and, where it is installed, flash-attn's.
 
 Our logits stay within bf16's rounding of transformers' fp32 logits, in prefill and in decoding
 through the paged KV cache, for every family; greedy output is transformers' greedy path, every
@@ -19,18 +19,17 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from tests.conftest import save_tiny_model
 from tests.engine.helpers import (
+    BF16_CPU,
+    BF16_GPU,
     BF16_RTOL,
-    CUDA_BACKENDS,
     FAMILIES,
     assert_near_greedy,
-    cuda_bf16_options,
+    bf16_options,
     hf_logits,
     load_hf_model,
     random_prompt,
 )
 from tests.engine.test_model_equivalence import forward, new_sequence, release
-
-pytestmark = pytest.mark.cuda
 
 MAX_TOKENS = 24
 PROMPT_LENGTHS = [1, 4, 13, 22, 31, 40]
@@ -61,13 +60,15 @@ def bf16_generation_model(tmp_path_factory) -> Path:
     return save_tiny_model(root / "llama", "llama", seed=3, initializer_range=0.15)
 
 
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize(("device", "backend"), [BF16_CPU, *BF16_GPU])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_track_transformers_in_prefill_and_paged_decode(model_paths, family, backend):
+def test_logits_track_transformers_in_prefill_and_paged_decode(
+    model_paths, family, device, backend
+):
     """Every prefix of a 13-token prompt prefilled in one batch, then 12 tokens decoded one at a
     time through 4-token blocks: each row within bf16's rounding of transformers' fp32 logits."""
     path = model_paths[family]
-    engine = LLMEngine(EngineConfig(model=str(path), **cuda_bf16_options(backend, block_size=4)))
+    engine = LLMEngine(EngineConfig(model=str(path), **bf16_options(device, backend, block_size=4)))
     hf = load_hf_model(path)
     tokens = random_prompt(random.Random(1), 25)
     expected = hf_logits(hf, tokens)  # [25, vocab]
@@ -84,10 +85,10 @@ def test_logits_track_transformers_in_prefill_and_paged_decode(model_paths, fami
     assert_rows_close(torch.stack(rows), expected[12:], f"{family}, decode")
 
 
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize(("device", "backend"), [BF16_CPU, *BF16_GPU])
 @pytest.mark.parametrize("setup", SETUPS)
-def test_greedy_is_transformers_greedy_path(bf16_generation_model, setup, backend):
-    options = cuda_bf16_options(backend, **SETUPS[setup])
+def test_greedy_is_transformers_greedy_path(bf16_generation_model, setup, device, backend):
+    options = bf16_options(device, backend, **SETUPS[setup])
     llm = LLM(str(bf16_generation_model), draft=None, **options)
     rng = random.Random(0)
     prompts = [random_prompt(rng, length) for length in PROMPT_LENGTHS]

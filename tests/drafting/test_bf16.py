@@ -1,12 +1,12 @@
-"""Speculative decoding's losslessness on a CUDA GPU in bfloat16 (marker `cuda`: skipped where
-torch sees no GPU), with torch's attention and, where it is installed, flash-attn's (whose tree
-verification merges two attentions by their log-sum-exp).
+"""Speculative decoding's losslessness in bfloat16: on the CPU, and on a CUDA GPU (marker `cuda`:
+skipped where torch sees none) with torch's attention and, where it is installed, flash-attn's
+(whose tree verification merges two attentions by their log-sum-exp).
 
 Greedy: plain and speculative output are both the target's greedy path, every token within bf16's
 near-tie of transformers' fp32 choice (so they differ only where bf16 may break a tie either way).
 Sampling: speculative samples have plain sampling's distribution, on the same GPU (a two-sample
 test: bf16 shifts the target's probabilities a little, so both sides sample the same bf16 model),
-and the test catches a broken acceptance rule.
+and the test catches a broken acceptance rule; on the GPU only (20,000 samples a side).
 """
 
 from __future__ import annotations
@@ -30,25 +30,24 @@ from tests.drafting.test_speculative_generation import (
     mixed_prompts,
 )
 from tests.engine.helpers import (
+    BF16_CPU,
+    BF16_GPU,
     BF16_RTOL,
-    CUDA_BACKENDS,
     assert_near_greedy,
-    cuda_bf16_options,
+    bf16_options,
     load_hf_model,
 )
-
-pytestmark = pytest.mark.cuda
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize(("device", "backend"), [BF16_CPU, *BF16_GPU])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("head", ["random_head", "trained_head"])
 def test_greedy_speculation_follows_the_targets_greedy_path(
-    bigram_target, head, scenario, backend, request
+    bigram_target, head, scenario, device, backend, request
 ):
-    options = cuda_bf16_options(backend, block_size=4, **SCENARIOS[scenario])
+    options = bf16_options(device, backend, block_size=4, **SCENARIOS[scenario])
     prompts = mixed_prompts(12)
     plain = LLM(str(bigram_target), draft=None, **options).generate(prompts, GREEDY, use_tqdm=False)
     draft = str(request.getfixturevalue(head))
@@ -110,16 +109,17 @@ def same_distribution_p_value(a: dict, b: dict) -> float:
     return float(scipy.stats.chi2_contingency(table).pvalue)
 
 
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-def test_speculative_sampling_keeps_plain_samplings_distribution(small_vocab, backend):
-    options = cuda_bf16_options(backend)
+@pytest.mark.parametrize(("device", "backend"), BF16_GPU)
+def test_speculative_sampling_keeps_plain_samplings_distribution(small_vocab, device, backend):
+    options = bf16_options(device, backend)
     plain = sampled_counts(small_vocab["target"], None, options)
     speculative = sampled_counts(small_vocab["target"], small_vocab["trained"], options)
     assert same_distribution_p_value(plain, speculative) > 0.001
 
 
+@pytest.mark.cuda
 def test_the_check_catches_a_broken_acceptance_rule(small_vocab, monkeypatch):
-    options = cuda_bf16_options("torch")
+    options = bf16_options("cuda", "torch")
     plain = sampled_counts(small_vocab["target"], None, options)
     monkeypatch.setattr(drafting.eagle_drafter, "accept_at_node", accept_with_draft_probability)
     broken = sampled_counts(small_vocab["target"], small_vocab["trained"], options)
