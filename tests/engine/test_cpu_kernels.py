@@ -1,16 +1,29 @@
 """The fused CPU kernels compute what the PyTorch formulations they replace compute, on the
-layouts the engine hands them, and the engine runs without them where they cannot be built."""
+layouts the engine hands them, and the engine runs without them where they cannot be built.
+
+These tests skip only on a machine without a C compiler: a compiler that fails on the source fails
+them, with its message (`built_or_skipped`)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import SamplingParams
-from engine.execution.layers.cpu_kernels import FUSED_MAX_QUERIES, load_cpu_kernels
+from engine.execution.layers import cpu_kernels
+from engine.execution.layers.cpu_kernels import (
+    FUSED_MAX_QUERIES,
+    CpuKernels,
+    KernelBuildError,
+    NoCompilerError,
+    build_cpu_kernels,
+    load_cpu_kernels,
+)
 from engine.execution.layers.paged_attention import (
     SequenceAttention,
     build_attention_metadata,
@@ -22,12 +35,71 @@ from tests.engine.helpers import FIRST_TEXT_TOKEN, tiny_llm
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
+def built_or_skipped() -> CpuKernels:
+    """The kernels; a skip where the machine has no C compiler, and where it has one that fails,
+    the compiler's error (never a skip)."""
+    try:
+        return build_cpu_kernels()
+    except NoCompilerError as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="module")
 def kernels():
-    built = load_cpu_kernels()
-    if built is None:
-        pytest.skip("no C compiler on this machine")
-    return built
+    return built_or_skipped()
+
+
+@pytest.fixture
+def compiler() -> str:
+    name = os.environ.get("CC", "cc")
+    if shutil.which(name) is None:
+        pytest.skip(f"no C compiler '{name}'")
+    return name
+
+
+@pytest.fixture
+def source(tmp_path, monkeypatch):
+    """Point the build at a C file of the test's own (and at a cache of the test's own)."""
+    monkeypatch.setenv("AERIE_CACHE", str(tmp_path / "cache"))
+
+    def _source(text: str) -> None:
+        path = tmp_path / "cpu_kernels.c"
+        path.write_text(text)
+        monkeypatch.setattr(cpu_kernels, "SOURCE", path)
+
+    return _source
+
+
+def test_a_source_that_does_not_compile_fails_the_tests_with_the_compilers_message(
+    compiler, source
+):
+    source("void rms_norm(float *x) { return x + ; }\n")
+    with pytest.raises(KernelBuildError, match=r"cpu_kernels\.c:1:.*error") as failure:
+        built_or_skipped()  # what the `kernels` fixture runs: an error, not a skip
+    assert compiler in str(failure.value)
+
+
+def test_a_library_without_every_kernel_fails_to_load(compiler, source):
+    source("void rms_norm(void) {}\n")  # compiles, but add_rms_norm and the rest are missing
+    with pytest.raises(KernelBuildError, match="add_rms_norm"):
+        built_or_skipped()
+
+
+def test_only_a_missing_compiler_skips(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(NoCompilerError):
+        build_cpu_kernels()
+    with pytest.raises(pytest.skip.Exception, match="no C compiler"):
+        built_or_skipped()
+
+
+def test_a_failed_build_leaves_the_engine_on_pytorchs_kernels_with_a_warning(
+    compiler, source, caplog
+):
+    source("this is not C\n")
+    with caplog.at_level(logging.WARNING, logger="engine.execution.layers.cpu_kernels"):
+        assert load_cpu_kernels() is None
+    assert "fused CPU kernels unavailable" in caplog.text and "error" in caplog.text
 
 
 def test_rms_norm_matches_torch_on_contiguous_and_strided_rows(kernels):

@@ -8,9 +8,7 @@ transformers model loaded from the same folder, both in fp32 on the CPU.
 from __future__ import annotations
 
 import itertools
-import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,25 +16,14 @@ import torch
 from engine.core.request import Sequence
 from engine.core.scheduler import ScheduledSequence, SchedulerOutput
 from engine.llm_engine import LLMEngine
-from tests.conftest import save_tiny_model
-from tests.engine.helpers import hf_logits, load_hf_model, random_prompt, tiny_engine
+from tests.engine.helpers import FAMILIES, hf_logits, load_hf_model, random_prompt, tiny_engine
 
 TOLERANCE = 1e-4  # max abs logit difference
 BLOCK_SIZE = 4
 PROMPT_LEN = 13
 NUM_DECODE = 12
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mistral-sliding-window"]
 
 _seq_ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def model_paths(tiny_models, tmp_path_factory) -> dict[str, Path]:
-    """The four tiny families, plus Mistral with a sliding window shorter than the sequence."""
-    sliding = save_tiny_model(tmp_path_factory.mktemp("mistral-sliding") / "m", "mistral", seed=1)
-    config = json.loads((sliding / "config.json").read_text())
-    (sliding / "config.json").write_text(json.dumps({**config, "sliding_window": 6}))
-    return {**tiny_models, "mistral-sliding-window": sliding}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -255,15 +255,18 @@ def test_requests_beyond_the_budget_without_chunked_prefill_do_not_hang(tiny_mod
     """With chunked prefill off, a sequence longer than max_num_batched_tokens can never be
     (re)scheduled. The engine must refuse such requests, or the configuration, not stall."""
     options, num_requests, prompt_len, max_tokens = BEYOND_BUDGET[case]
+    budget = NO_CHUNKING["max_num_batched_tokens"]
     try:
         engine = tiny_engine(tiny_models["llama"], **NO_CHUNKING, **options)
-    except AerieError:
-        return  # refusing the configuration is fine too
+    except AerieError as exc:  # refusing the configuration is fine too, for this reason
+        assert "max_num_batched_tokens" in str(exc), exc
+        return
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     try:
         for i in range(num_requests):
             engine.add_request(str(i), list(range(3 + i, 3 + i + prompt_len)), params)
-    except InvalidRequestError:
+    except InvalidRequestError as exc:  # or the request, as beyond the budget-capped context
+        assert f"maximum context length is {budget} tokens" in str(exc), exc
         return
     for _ in range(500):
         engine.step()

@@ -6,8 +6,10 @@ allocation and thread wake-ups cost more than their arithmetic (benchmarks/bench
 `cpu_kernels.c` does each in one call, as vLLM's CPU backend and llama.cpp do; attention reads K/V
 through the block tables in place, with flash attention's online softmax. It is compiled once per
 machine with the machine's C compiler (`$CC`, default `cc`; `-O3 -march=native`, OpenMP on PyTorch's
-own runtime) into `$AERIE_CACHE/kernels/` and loaded through ctypes; where no compiler works, the
-engine logs why and runs PyTorch's kernels.
+own runtime) into `$AERIE_CACHE/kernels/` and loaded through ctypes. Two failures are told apart: no
+compiler on the machine (NoCompilerError) and a compiler that does not build or load the source
+(KernelBuildError, with its message). The engine logs either and runs PyTorch's kernels
+(load_cpu_kernels); tests skip only the first.
 
 The kernels compute each row alone, in an order that does not depend on the batch, and agree with
 PyTorch's to float rounding (sums run in another order). Inference only: no gradient flows through
@@ -183,12 +185,31 @@ class CpuKernels:
         return out
 
 
-def load_cpu_kernels() -> CpuKernels | None:
-    """The kernels built for this machine (compiled on first use), or None, logged, where they
-    cannot be built or loaded."""
+class NoCompilerError(FileNotFoundError):
+    """This machine has no C compiler: the kernels cannot be built here."""
+
+
+class KernelBuildError(RuntimeError):
+    """A C compiler is present, but the kernels did not build or load: a defect to fix, not a
+    machine without the means."""
+
+
+def build_cpu_kernels() -> CpuKernels:
+    """The kernels built for this machine (compiled on first use); raises NoCompilerError or
+    KernelBuildError (with the compiler's or the loader's message)."""
+    library = _built_library()
     try:
-        return CpuKernels(ctypes.CDLL(str(_built_library())))
-    except (OSError, subprocess.SubprocessError, FileNotFoundError) as exc:
+        return CpuKernels(ctypes.CDLL(str(library)))
+    except (OSError, AttributeError) as exc:  # not a shared library, or a function missing
+        raise KernelBuildError(f"{library} does not load: {exc}") from exc
+
+
+def load_cpu_kernels() -> CpuKernels | None:
+    """The kernels built for this machine, or None, logged, where they cannot be built or
+    loaded: the engine then runs PyTorch's kernels."""
+    try:
+        return build_cpu_kernels()
+    except (NoCompilerError, KernelBuildError) as exc:
         logger.warning("fused CPU kernels unavailable, using PyTorch's: %s", exc)
         return None
 
@@ -196,7 +217,14 @@ def load_cpu_kernels() -> CpuKernels | None:
 def _built_library() -> Path:
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
-        raise FileNotFoundError(f"no C compiler '{compiler}' (set $CC)")
+        raise NoCompilerError(f"no C compiler '{compiler}' (set $CC)")
+    try:
+        return _compiled(compiler)
+    except (OSError, subprocess.SubprocessError) as exc:  # it would not run, or timed out
+        raise KernelBuildError(f"{compiler} could not build {SOURCE.name}: {exc}") from exc
+
+
+def _compiled(compiler: str) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
     ).stdout
@@ -215,7 +243,9 @@ def _built_library() -> Path:
             timeout=300,
         )
         if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+            raise KernelBuildError(
+                f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}"
+            )
         os.replace(built, target)  # atomic: a concurrent build or reader sees a whole file
     logger.info("built fused CPU kernels: %s", target)
     return target
