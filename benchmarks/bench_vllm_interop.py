@@ -44,7 +44,7 @@ AERIE_CHAIN = dict(draft_top_k=1, draft_depth=SPECULATIVE_TOKENS, draft_total_to
 SERVED_NAME = "smollm2"
 LOG_LINE = re.compile(
     r"SpecDecoding metrics: Mean acceptance length: (?P<length>[\d.]+).*?"
-    r"Accepted: (?P<accepted>\d+) tokens, Drafted: (?P<drafted>\d+) tokens"
+    r"Accepted: (?P<accepted>\d+) tokens, Drafted: (?P<drafted>\d+) tokens.*"
 )
 
 
