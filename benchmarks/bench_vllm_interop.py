@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--vllm-venv", type=Path, default=Path.home() / "venvs" / "vllm")
     parser.add_argument("--port", type=int, default=8200)
-    parser.add_argument("--concurrency", type=int, default=8, help="vLLM requests in flight")
+    parser.add_argument("--concurrency", type=int, default=16, help="vLLM requests in flight")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--vllm-log", type=Path, help="read this server log instead of running")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
