@@ -29,6 +29,8 @@ from engine.execution.models.spec import ModelSpec
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+# fields of EAGLE-3 variants that vLLM computes and this head does not: refused, never ignored
+_UNSUPPORTED_VARIANTS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 def default_feature_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -61,6 +63,12 @@ class Eagle3Spec:
             raise ModelLoadError(
                 f"draft head {folder}: EAGLE-3 heads of {config['num_hidden_layers']} layers "
                 "are not supported (Aerie loads one-layer heads)"
+            )
+        variants = [k for k in _UNSUPPORTED_VARIANTS if _flag(config, k)]
+        if variants:
+            raise ModelLoadError(
+                f"draft head {folder}: EAGLE-3 variants with {', '.join(variants)} are not "
+                "supported"
             )
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         layers = _feature_layers(config) or default_feature_layers(target.num_layers)
@@ -99,9 +107,18 @@ class Eagle3Spec:
                 "eagle_aux_hidden_state_layer_ids": list(self.feature_layers),
             },
             "rms_norm_eps": self.rms_norm_eps,
+            # vLLM builds the q/k/v biases and picks the residual from these fields, not from
+            # the weights present
+            "attention_bias": self.qkv_bias,
+            "norm_before_residual": self.norm_before_residual,
             "hidden_act": "silu",
             "tie_word_embeddings": False,
         }
+
+
+def _flag(config: dict, key: str) -> bool:
+    """A boolean field where vLLM reads it: top level or in `eagle_config`."""
+    return bool(config.get(key) or (config.get("eagle_config") or {}).get(key))
 
 
 def _feature_layers(config: dict) -> list[int] | None:

@@ -70,6 +70,8 @@ def test_the_files_have_the_published_names_and_fields(random_eagle3_head):
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == 192 and config["vocab_size"] == 256
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    # vLLM sizes q/k/v biases and picks the residual from these fields alone
+    assert config["attention_bias"] is False and config["norm_before_residual"] is False
 
 
 def reference_layer(tensors: dict, config: dict, ids, aux, embedding) -> torch.Tensor:
@@ -150,6 +152,31 @@ def test_written_heads_load_back_identical(bigram_target, trained_eagle3_head, t
         assert torch.equal(a, b), name
 
 
+def test_rewritten_heads_keep_biases_and_the_residual_choice_in_the_fields_vllm_reads(
+    bigram_target, random_eagle3_head, tmp_path
+):
+    from drafting.head_loader import save_head
+
+    def add_biases(weights):
+        for part, size in (("q", 64), ("k", 32), ("v", 32)):
+            weights[f"midlayer.self_attn.{part}_proj.bias"] = torch.randn(size)
+
+    variant = edit(
+        random_eagle3_head,
+        tmp_path,
+        weights=add_biases,
+        config=lambda c: c.update(norm_before_residual=True),
+    )
+    head = load(variant, bigram_target)
+    copy = save_head(head, tmp_path / "copy", {"rope_theta": 10000.0}, torch.float32)
+    config = json.loads((copy / "config.json").read_text())
+    assert config["attention_bias"] is True and config["norm_before_residual"] is True
+    again = load(copy, bigram_target)
+    assert again.spec == head.spec
+    for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize(
     "breakage, message",
     [
@@ -167,6 +194,12 @@ def test_written_heads_load_back_identical(bigram_target, trained_eagle3_head, t
         (dict(config=lambda c: c.update(vocab_size=512)), "vocabulary"),
         (dict(config=lambda c: c.update(num_hidden_layers=2)), "layers are not supported"),
         (dict(weights=lambda w: w.pop("midlayer.hidden_norm.weight")), "lacks 1 weights"),
+        (dict(config=lambda c: c.update(norm_output=True)), "variants with norm_output"),
+        (dict(config=lambda c: c.update(fc_norm=True)), "variants with fc_norm"),
+        (
+            dict(config=lambda c: c["eagle_config"].update(norm_before_fc=True)),
+            "variants with norm_before_fc",
+        ),
     ],
 )
 def test_heads_that_cannot_work_are_refused_with_the_reason(
