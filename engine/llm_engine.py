@@ -40,6 +40,7 @@ from engine.request_validation import validate_request
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling.sampling_params import SamplingParams
 from engine.spec.draft_budget import DraftBudget, expected_tokens
+from engine.spec.draft_controller import DraftController
 from engine.spec.draft_method import DraftHead, load_draft_method
 from engine.spec.draft_policy import DraftPolicy, StepReport
 from engine.spec.drafter import Accepted, AutoregressiveDrafter, Drafter
@@ -125,7 +126,7 @@ class LLMEngine:
             ),
         )
         self.runner.verify_cost = cost
-        return DraftPolicy(DraftBudget(cost))
+        return DraftPolicy(DraftBudget(cost), DraftController(config.draft_controller_half_life))
 
     # ----------------------------------------------------------------- requests in
     def make_request(

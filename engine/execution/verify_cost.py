@@ -54,8 +54,9 @@ _MIN_LIVE = 3  # live passes a point needs before they replace its start-up valu
 class LiveVerifyCost:
     """Pass seconds by number of tokens, from live passes where seen, else `startup`'s shape."""
 
-    def __init__(self, startup: VerifyCost) -> None:
+    def __init__(self, startup: VerifyCost, learn: bool = True) -> None:
         self.startup = startup
+        self.learn = learn  # False: `startup` as given (to fix the costs a test or benchmark sets)
         self.windows = [deque(maxlen=_LIVE_WINDOW) for _ in startup.num_tokens]  # seconds
         self.ratios: deque[float] = deque(maxlen=2 * _LIVE_WINDOW)  # live / start-up, any size
         self._points: np.ndarray | None = None  # corrected seconds at startup.num_tokens
@@ -68,6 +69,8 @@ class LiveVerifyCost:
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A live pass of `num_tokens` tokens took `seconds`: kept at the nearest point (in
         log scale), moved there along the start-up curve."""
+        if not self.learn:
+            return
         predicted = max(self.startup(num_tokens), 1e-9)
         self.ratios.append(seconds / predicted)
         logs = np.log2(self.startup.num_tokens)

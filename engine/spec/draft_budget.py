@@ -29,9 +29,10 @@ _DECAY = 0.95  # weight of the past in the calibration's sums, per observation
 
 
 class DraftBudget:
-    def __init__(self, verify_cost: VerifyCost) -> None:
+    def __init__(self, verify_cost: VerifyCost, learn: bool = True) -> None:
         self.verify_cost = verify_cost  # the start-up measurement (its lm_head part is used as is)
-        self.pass_cost = LiveVerifyCost(verify_cost)  # pass seconds, live passes preferred
+        # pass seconds, live passes preferred (learn=False: the start-up measurement as given)
+        self.pass_cost = LiveVerifyCost(verify_cost, learn)
         # decayed sums behind the calibration, from a prior of 4 tokens accepted as expected,
         # so that one unlucky early step cannot halve it
         self.expected, self.accepted = 4.0, 4.0

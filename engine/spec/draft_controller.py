@@ -25,8 +25,9 @@ import math
 import random
 from dataclasses import dataclass
 
-_MIN_SPREAD = 0.05  # relative spread of a step's rate assumed at least (timing noise)
-_MIN_WEIGHT = 2.0  # discounted steps an arm needs before its estimate is trusted
+_PRIOR_SPREAD, _PRIOR_STEPS = 0.3, 2.0  # a step's relative spread before many are seen
+_MIN_PLAYS = 2  # steps an arm is played first, before its estimate is drawn from
+_MIN_WEIGHT = 0.5  # an arm whose discounted steps fall under this is played again
 _CLEAR = 2.0  # standard errors of lead that make a verdict clear
 
 
@@ -34,6 +35,7 @@ _CLEAR = 2.0  # standard errors of lead that make a verdict clear
 class _Arm:
     """Discounted sums over an arm's steps: w = decay ** age, per step k tokens in s seconds."""
 
+    plays: int = 0  # steps it has been played
     weight: float = 0.0  # sum w: the steps it has been played, recent ones counting most
     tokens: float = 0.0  # sum w k
     seconds: float = 0.0  # sum w s
@@ -50,6 +52,7 @@ class _Arm:
         self.seconds2 *= factor
 
     def add(self, tokens: float, seconds: float) -> None:
+        self.plays += 1
         self.weight += 1.0
         self.tokens += tokens
         self.seconds += seconds
@@ -59,7 +62,7 @@ class _Arm:
 
     @property
     def known(self) -> bool:
-        return self.weight >= _MIN_WEIGHT and self.seconds > 0
+        return self.plays >= _MIN_PLAYS and self.weight >= _MIN_WEIGHT
 
     @property
     def rate(self) -> float:
@@ -69,13 +72,15 @@ class _Arm:
     @property
     def standard_error(self) -> float:
         """Of `rate` (the ratio estimator's linearisation): a step's spread about the rate over
-        the square root of the arm's weight, so it widens as the arm's steps age unplayed; a
-        step's relative spread is taken as `_MIN_SPREAD` at least."""
+        the square root of the arm's weight, so it widens as the arm's steps age unplayed. The
+        spread is shrunk toward a prior (`_PRIOR_SPREAD` over `_PRIOR_STEPS` steps), so that a
+        few alike steps cannot make an estimate look sure."""
         rate = self.rate
         residual = self.tokens2 - 2 * rate * self.cross + rate * rate * self.seconds2  # sum w e^2
-        variance = max(0.0, residual) / self.seconds**2
-        floor = (_MIN_SPREAD * rate) ** 2 / self.weight
-        return math.sqrt(max(variance, floor))
+        mean_seconds = self.seconds / self.weight
+        prior = _PRIOR_STEPS * (_PRIOR_SPREAD * rate * mean_seconds) ** 2
+        step_variance = (max(0.0, residual) + prior) / (self.weight + _PRIOR_STEPS)  # tokens^2
+        return math.sqrt(step_variance / self.weight) / mean_seconds
 
 
 @dataclass
