@@ -98,8 +98,6 @@ def test_measured_cost_grows_with_the_pass(generation_model):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-
-
 def test_live_passes_replace_a_start_up_measurement_a_busy_machine_fooled():
     """Start-up read 295.6 ms for every pass of 1 to 8 tokens (three servers starting at once);
     live passes take 30 ms plus 2 ms a token. A few of them per size, and the cost follows them;
