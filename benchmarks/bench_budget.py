@@ -1,10 +1,10 @@
-"""Does the draft budget choose well when to draft? AR, the budget, and drafting at every step.
+"""Does the draft controller choose well when to draft? AR, the controller, and drafting always.
 
 Batch 1, the first turns of the first ``--num-prompts`` MT-bench questions, greedy, ``--max-tokens``
 new tokens (EOS ignored), four engines interleaved per prompt so that the machine's drift hits
-all alike: plain AR; EAGLE with the adaptive budget (the default); EAGLE drafting at every step,
-the budget still choosing each step's nodes (its prediction of whether drafting pays switched
-off); EAGLE verifying whole trees. Writes ``budget.json`` to ``--out-dir``. From the repository
+all alike: plain AR; EAGLE with the draft controller (the default); EAGLE drafting at every step,
+the budget still choosing each step's nodes (the controller's choice fixed to drafting); EAGLE
+verifying whole trees. Writes ``budget.json`` to ``--out-dir``. From the repository
 root:
 
     .venv/bin/python benchmarks/bench_budget.py    # ~3 minutes
@@ -29,10 +29,10 @@ QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
 def engines() -> dict[str, LLM]:
     small_pool = dict(kv_cache_memory_gib=0.3)
     always = LLM(MODEL, draft="auto", **small_pool)
-    always.engine.budget._choose = lambda num_decoding, num_pass_tokens: True
+    always.engine.policy.controller.choose = lambda num_decoding: True
     return {
         "ar": LLM(MODEL, draft=None, **small_pool),
-        "adaptive budget": LLM(MODEL, draft="auto", **small_pool),
+        "controller": LLM(MODEL, draft="auto", **small_pool),
         "drafting every step": always,
         "whole trees": LLM(MODEL, draft="auto", adaptive_draft_budget=False, **small_pool),
     }
