@@ -2,8 +2,8 @@
 
 At high load the draft controller mostly decodes plainly, so the speculative engine should cost
 what plain decoding does; what it spends on top (exploring, the head's catch-ups, bookkeeping) is
-a few percent, less than this shared machine's drift between two runs. So the two engines serve the same
-requests in one process, taking turns one engine step at a time, and the figures are ratios of
+a few percent, less than this shared machine's drift between two runs. So the two engines serve
+the same requests in one process, taking turns one engine step at a time, and the figures are ratios of
 their summed step times. Each engine keeps B requests running, as a server does under B clients:
 when one finishes, the next is admitted (MT-bench first turns in order, cycled; greedy, EOS
 banned, lengths spread evenly from half to one and a half times ``--max-tokens``, the same for
