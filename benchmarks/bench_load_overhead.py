@@ -1,17 +1,17 @@
 """What speculation costs under load: AR and EAGLE (draft controller) stepped in turns, by step.
 
 At high load the draft controller mostly decodes plainly, so the speculative engine should cost
-what plain decoding does; what it spends on top (exploring, the head's catch-ups, bookkeeping) is
-a few percent, less than this shared machine's drift between two runs. So the two engines serve
-the same requests in one process, taking turns one engine step at a time, and the figures are ratios of
+what plain decoding does; what it spends on top (exploring, the head's catch-ups, bookkeeping) is a
+few percent, less than this shared machine's drift between two runs. So the two engines serve the
+same requests in one process, taking turns one engine step at a time, and the figures are ratios of
 their summed step times. Each engine keeps B requests running, as a server does under B clients:
-when one finishes, the next is admitted (MT-bench first turns in order, cycled; greedy, EOS
-banned, lengths spread evenly from half to one and a half times ``--max-tokens``, the same for
-both), until ``(rounds + 1) * B`` requests have been admitted. The figures are over the steady
-state: from the step at which its first B requests have all finished (the start-up, when they
-were prefilled together and the draft controller first learned this batch size, is over: a server
-pays it once) until the last request is admitted (the last B then drain). The ratio over every
-step, start-up and drain included, is reported beside.
+when one finishes, the next is admitted (MT-bench first turns in order, cycled; greedy, EOS banned,
+lengths spread evenly from half to one and a half times ``--max-tokens``, the same for both), until
+``(rounds + 1) * B`` requests have been admitted. The figures are over the steady state: from the
+step at which its first B requests have all finished (the start-up, when they were prefilled
+together and the draft controller first learned this batch size, is over: a server pays it once)
+until the last request is admitted (the last B then drain). The ratio over every step, start-up and
+drain included, is reported beside.
 
 Two things about the requests matter to the ratio. Requests of one length started together
 finish together under AR, and the next ones are then prefilled in one large pass, while
