@@ -10,14 +10,15 @@ Each arm is played twice first, and again whenever its discounted steps fall und
 Steps that also compute prompt tokens are not measured (their time is mostly the prompt's) and
 draft only on a clear verdict: drafting's rate two standard errors ahead.
 
-Guarantee (tests/engine/test_draft_controller.py simulates it, one sequence's noise):
-- Loss against the better arm = the worse arm's share of steps x the gap. That share shrinks
-  as gap^2 / noise^2 grows: at the default half-life of 128, under 2.5% lost at the hardest gap
-  (drafting ~10% slower with trees' 46% spread a step), under 1% where drafting is 20% faster,
-  or never accepted (steady steps: a useless head); an arm within the noise costs at most that.
+Guarantee (tests/engine/test_draft_controller.py simulates it at one sequence's noise):
+- Loss against the better arm = the worse arm's share of steps x the gap; the share falls as
+  gap^2 / noise^2 grows. At the default half-life of 128: at most 2.5% of throughput on average
+  at the hardest gap (drafting ~10% slower, trees' tokens spreading 46% a step), 1.5% where
+  drafting is 20% faster, 1% for a useless head (never accepted; it drafts on under 5% of
+  steps); arms within the noise of each other cost at most that noise.
 - It follows a change within a few half-lives of the bucket's steps: the past weighs half as
-  much per half-life, an unplayed arm's estimate widens, and it is retried after at most about
-  two half-lives.
+  much per half-life, an unplayed arm's estimate widens as it ages, and is retried by force
+  once its discounted steps fall under one half.
 """
 
 from __future__ import annotations
