@@ -1,10 +1,12 @@
-"""Does the draft budget choose well when to draft? AR, the budget, and drafting at every step.
+"""Does the draft controller choose well when to draft? AR, the controller, and drafting always.
 
 Batch 1, the first turns of the first ``--num-prompts`` MT-bench questions, greedy, ``--max-tokens``
 new tokens (EOS ignored), four engines interleaved per prompt so that the machine's drift hits
-all alike: plain AR; EAGLE with the adaptive budget (the default); EAGLE drafting at every step,
-the budget still choosing each step's nodes (its prediction of whether drafting pays switched
-off); EAGLE verifying whole trees. Writes ``budget.json`` to ``--out-dir``. From the repository
+all alike: plain AR; EAGLE with the draft controller (the default); EAGLE drafting at every step,
+the budget still choosing each step's nodes (the controller's choice fixed to drafting); EAGLE
+verifying whole trees. With ``--useless-head`` the EAGLE engines load a head of the shipped
+head's shape with random weights (its drafts are never accepted), where the controller should
+cost next to nothing over AR. Writes ``budget.json`` to ``--out-dir``. From the repository
 root:
 
     .venv/bin/python benchmarks/bench_budget.py    # ~3 minutes
@@ -14,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
+from random_head import useless_head
 from tqdm import tqdm
 
+from drafting.shipped_heads import shipped_head
 from engine import LLM, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -26,15 +31,15 @@ MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
 
 
-def engines() -> dict[str, LLM]:
+def engines(head: str) -> dict[str, LLM]:
     small_pool = dict(kv_cache_memory_gib=0.3)
-    always = LLM(MODEL, draft="auto", **small_pool)
-    always.engine.budget._choose = lambda num_decoding, num_pass_tokens: True
+    always = LLM(MODEL, draft=head, **small_pool)
+    always.engine.policy.controller.choose = lambda num_decoding: True
     return {
         "ar": LLM(MODEL, draft=None, **small_pool),
-        "adaptive budget": LLM(MODEL, draft="auto", **small_pool),
+        "controller": LLM(MODEL, draft=head, **small_pool),
         "drafting every step": always,
-        "whole trees": LLM(MODEL, draft="auto", adaptive_draft_budget=False, **small_pool),
+        "whole trees": LLM(MODEL, draft=head, adaptive_draft_budget=False, **small_pool),
     }
 
 
@@ -43,9 +48,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--useless-head", action="store_true", help="random head weights")
     args = parser.parse_args()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llms = engines()
+    scratch = tempfile.TemporaryDirectory()
+    head = useless_head(MODEL, Path(scratch.name)) if args.useless_head else shipped_head(MODEL)
+    llms = engines(str(head))
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     prompts = [
         llms["ar"].apply_chat_template([{"role": "user", "content": q["turns"][0]}])
@@ -67,9 +75,14 @@ def main() -> None:
     }
     for name, result in results.items():
         print(f"{name:>20}: {result['tok_s']:.1f} tokens/s, {result['vs_ar']:.3f}x AR")
-    settings = {"model": MODEL, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens}
+    settings = {
+        "model": MODEL,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "head": "useless (random weights)" if args.useless_head else "shipped",
+    }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "budget.json"
+    path = args.out_dir / ("budget_useless-head.json" if args.useless_head else "budget.json")
     path.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
 
 

@@ -1,17 +1,17 @@
-"""What speculation costs under load: AR and EAGLE (adaptive budget) stepped in turns, step by step.
+"""What speculation costs under load: AR and EAGLE (draft controller) stepped in turns, by step.
 
-At high load the budget mostly decodes plainly, so the speculative engine should cost what plain
-decoding does; what it spends on top (the head's catch-ups, probes, bookkeeping) is a few percent,
-less than this shared machine's drift between two runs. So the two engines serve the same
-requests in one process, taking turns one engine step at a time, and the figures are ratios of
+At high load the draft controller mostly decodes plainly, so the speculative engine should cost
+what plain decoding does; what it spends on top (exploring, the head's catch-ups, bookkeeping) is a
+few percent, less than this shared machine's drift between two runs. So the two engines serve the
+same requests in one process, taking turns one engine step at a time, and the figures are ratios of
 their summed step times. Each engine keeps B requests running, as a server does under B clients:
-when one finishes, the next is admitted (MT-bench first turns in order, cycled; greedy, EOS
-banned, lengths spread evenly from half to one and a half times ``--max-tokens``, the same for
-both), until ``(rounds + 1) * B`` requests have been admitted. The figures are over the steady
-state: from the step at which its first B requests have all finished (the start-up, when they
-were prefilled together and the draft budget first learned this batch size, is over: a server
-pays it once) until the last request is admitted (the last B then drain). The ratio over every
-step, start-up and drain included, is reported beside.
+when one finishes, the next is admitted (MT-bench first turns in order, cycled; greedy, EOS banned,
+lengths spread evenly from half to one and a half times ``--max-tokens``, the same for both), until
+``(rounds + 1) * B`` requests have been admitted. The figures are over the steady state: from the
+step at which its first B requests have all finished (the start-up, when they were prefilled
+together and the draft controller first learned this batch size, is over: a server pays it once)
+until the last request is admitted (the last B then drain). The ratio over every step, start-up and
+drain included, is reported beside.
 
 Two things about the requests matter to the ratio. Requests of one length started together
 finish together under AR, and the next ones are then prefilled in one large pass, while
@@ -24,7 +24,9 @@ stream of requests does not have.
 Per batch size: output tokens/s of each, their ratio, mean decode-step time and its phases (the
 head's propose, the target's verify), the steps that verified drafts, and the decode steps of all
 B requests split into drafting and plain ones (ms a step, tokens a sequence). Writes
-``load_overhead.json`` and ``load_overhead.png`` to ``--out-dir``. From the repository root:
+``load_overhead.json`` and ``load_overhead.png`` to ``--out-dir`` (``load_overhead_<variant>``
+with ``--useless-head``, a head of random weights, or ``--never-draft``, the controller fixed to
+plain steps: what a plain step costs beside ``--draft none``). From the repository root:
 
     .venv/bin/python benchmarks/bench_load_overhead.py    # ~12 minutes
 """
@@ -35,10 +37,12 @@ import argparse
 import itertools
 import json
 import random
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
+from random_head import useless_head
 from tqdm import tqdm
 
 from engine import LLM, SamplingParams
@@ -95,7 +99,7 @@ def run_refilled(
     """Each engine keeps `in_flight` of `requests` (prompt, params) running, admitting the next
     as one finishes, until all have run; the engines take turns a step at a time. Each run's
     `steady` steps come after its first `in_flight` requests have finished (the start-up, when
-    they were prefilled together and the draft budget first learned this batch size, is over)
+    they were prefilled together and the draft controller first learned this batch size, is over)
     and while requests still waited to be admitted (the drain is not begun)."""
     runs = {name: EngineRun(llm) for name, llm in llms.items()}
     waiting = {name: deque(enumerate(requests)) for name in llms}
@@ -153,7 +157,7 @@ def summarize(runs: list[EngineRun], batch: int, steady_only: bool = False) -> d
 
 def step_kinds(decode: list[tuple[float, StepStats]], batch: int) -> dict:
     """Decode steps of all `batch` requests that verified drafts and those that did not: their
-    count, ms a step and tokens a sequence (what the realized rates compare)."""
+    count, ms a step and tokens a sequence (what the draft controller compares)."""
     kinds = {}
     for kind, drafted in (("drafting", True), ("plain", False)):
         steps = [
@@ -182,10 +186,20 @@ def main() -> None:
         "--one-length", action="store_true", help="every request --max-tokens long (lockstep)"
     )
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--useless-head", action="store_true", help="random head weights")
+    parser.add_argument("--never-draft", action="store_true", help="the controller: plain only")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     options = dict(max_num_seqs=max(64, *batches), kv_cache_memory_gib=1.0)
-    llms = {"ar": LLM(MODEL, draft=None, **options), "eagle": LLM(MODEL, draft="auto", **options)}
+    scratch = tempfile.TemporaryDirectory()
+    head = useless_head(MODEL, Path(scratch.name)) if args.useless_head else "auto"
+    llms = {
+        "ar": LLM(MODEL, draft=None, **options),
+        "eagle": LLM(MODEL, draft=str(head), **options),
+    }
+    if args.never_draft:
+        llms["eagle"].engine.policy.controller.choose = lambda num_decoding: False
+    variant = "_useless-head" if args.useless_head else "_never-draft" if args.never_draft else ""
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     prompts = [
         llms["ar"].apply_chat_template([{"role": "user", "content": q["turns"][0]}])
@@ -223,14 +237,16 @@ def main() -> None:
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"model": MODEL, "max_tokens": args.max_tokens, "rounds": args.rounds, **options}
+    settings["head"] = "useless (random weights)" if args.useless_head else "shipped"
+    settings["controller"] = "fixed to plain steps" if args.never_draft else "default"
     settings["arrivals"] = (
         "B requests kept running, refilled as they finish; lengths "
         + ("all max_tokens" if args.one_length else "spread evenly over 0.5-1.5x max_tokens")
         + "; steady state: from the first B finished to the last admitted"
     )
-    out = args.out_dir / "load_overhead.json"
+    out = args.out_dir / f"load_overhead{variant}.json"
     out.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
-    plot(results, args.out_dir / "load_overhead.png")
+    plot(results, args.out_dir / f"load_overhead{variant}.png")
     print(f"wrote {out}")
 
 
@@ -244,7 +260,7 @@ def plot(results: list[dict], path: Path) -> None:
         axes.set_xscale("log", base=2)
         axes.set_xticks(batches, [str(b) for b in batches])
         axes.set_xlabel("requests decoding at once")
-        axes.set_ylabel("EAGLE (adaptive budget) / AR tokens/s")
+        axes.set_ylabel("EAGLE (draft controller) / AR tokens/s")
         axes.set_title("Speculation under load, engines in turns (SmolLM2-135M, fp32, CPU)")
         axes.grid(alpha=0.3)
         axes.legend()

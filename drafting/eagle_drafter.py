@@ -2,8 +2,9 @@
 with an EAGLE-1/2 or an EAGLE-3 head (whose features are the target's three layers' states).
 
 Propose: first the head catches up on the positions whose target features arrived since its last
-pass (prefill chunks, or the root and accepted tokens of the last step): row i reads token i + 1
-and the target's feature at i. For a decoding sequence the last of these rows predicts the feature
+pass (prefill chunks; a drafting sequence's root and accepted tokens of its last step, or every
+token it decoded plainly since it last drafted): row i reads token i + 1 and the target's
+feature at i. For a decoding sequence the last of these rows predicts the feature
 after the root, whose lm_head distribution gives the tree's first layer. Each further layer runs
 the head once on the `top_k` best nodes of the newest layer (each attending to the context and its
 own ancestors), then all candidates are reranked (drafting/tree.py).
@@ -39,12 +40,14 @@ from engine.execution.models.decoder import DecoderModel
 from engine.execution.verify_cost import FREE_LOGITS_ROWS
 from engine.outputs import TokenLogprob
 from engine.sampling.logits_processing import apply_penalties, target_probabilities, token_logprobs
-from engine.spec.draft_budget import DraftBudget
+from engine.spec.draft_policy import DraftPolicy
 from engine.spec.drafter import Accepted, logits_context, sample_one_each
 
 # A sequence's rows before its newest, up to this many, run in the newest row's full head pass
 # instead of a K/V-only pass of their own (a drafting step brings its accepted tokens: 0 to depth).
 _FOLDED_ROWS = 8
+# Pending rows a sequence that is not drafting may hold before the head stores their K/V anyway.
+_MAX_PENDING_ROWS = 256
 
 
 @dataclass
@@ -104,12 +107,12 @@ class EagleDrafter:
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         block_size: int,
         shape: TreeShape,
-        budget: DraftBudget | None = None,
+        policy: DraftPolicy | None = None,
         fp16_weights: bool = False,
     ) -> None:
         self.head, self.target, self.kv_cache = head, target, kv_cache
         self.block_size, self.shape = block_size, shape
-        self.budget = budget  # None: verify every tree at shape.total_tokens
+        self.policy = policy  # None: every step drafts, and verifies whole trees
         self.num_lookahead_tokens = shape.num_scratch
         self.device = target.lm_head.weight.device
         # A reduced draft vocabulary scores only the target's most frequent tokens: its lm_head
@@ -126,20 +129,43 @@ class EagleDrafter:
     # ------------------------------------------------------------------ propose
     @torch.inference_mode()
     def propose(self, batch: SchedulerOutput) -> dict[int, DraftTree]:
-        can_draft = [item for item in batch.scheduled if item.num_lookahead > 0]
-        drafts = bool(can_draft) and (
-            self.budget is None or self.budget.should_draft(len(can_draft), batch.num_new_tokens)
-        )
-        if drafts or self.budget is None or self.budget.head_catch_up_due():
-            roots = self._catch_up([item.seq for item in batch.scheduled])
-        else:  # a plain step: only prefill chunks, whose prompt K/V the prefix cache awaits
-            roots = self._catch_up([i.seq for i in batch.scheduled if i.num_lookahead == 0])
-        drafting = [item for item in can_draft if item.seq.seq_id in roots]
-        if not drafts or not drafting:
+        """Draft trees for the sequences the policy picks (all that can, without one). The head
+        catches up lazily: prompt chunks at once (the prefix cache awaits their head K/V), a
+        decoding sequence's plainly decoded tokens only when it drafts again, in one batched
+        pass, or once they reach `_MAX_PENDING_ROWS` (its features' memory stays bounded)."""
+        if self.policy is None:
+            drafting = [item for item in batch.scheduled if item.num_lookahead > 0]
+        else:
+            drafting = self.policy.drafting_sequences(batch)
+        chosen = {item.seq.seq_id for item in drafting}
+        prompts = [item.seq for item in batch.scheduled if item.num_lookahead == 0]
+        roots = self._catch_up([*prompts, *(item.seq for item in drafting)])
+        waiting = [
+            item.seq
+            for item in batch.scheduled
+            if item.num_lookahead > 0 and item.seq.seq_id not in chosen
+        ]
+        self._store_long_pending(waiting)
+        drafting = [item for item in drafting if item.seq.seq_id in roots]
+        if not drafting:
             return {}
         root_features = torch.stack([roots[item.seq.seq_id] for item in drafting])  # [B, hidden]
         trees = self._grow(drafting, root_features, batch.num_new_tokens)
         return {item.seq.seq_id: tree for item, tree in zip(drafting, trees) if tree is not None}
+
+    def _store_long_pending(self, seqs: list[Sequence]) -> None:
+        """Store the head K/V of the sequences whose pending rows reached `_MAX_PENDING_ROWS`,
+        all but the newest row (which a drafting step's full pass will run)."""
+        rows = _HeadRows()
+        for seq in seqs:
+            start = seq.num_head_computed_tokens
+            end = min(seq.num_computed_tokens, seq.num_tokens - 1) - 1
+            if end - start < _MAX_PENDING_ROWS:
+                continue
+            rows.add(seq, start, end, _take_pending(seq, end - start))
+            seq.num_head_computed_tokens = end
+        if rows.seq_ids:
+            self._store_kv(rows)
 
     def _catch_up(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
         """Run the head over each sequence's pending rows; return the last row's output [hidden]
@@ -154,29 +180,32 @@ class EagleDrafter:
             end = min(seq.num_computed_tokens, seq.num_tokens - 1)
             if end <= start:
                 continue
-            features = seq.pending_features[: end - start]  # [end - start, hidden]
+            features = _take_pending(seq, end - start)  # [end - start, hidden]
             last = end - 1 if end == seq.num_tokens - 1 else end  # the newest token's row, if here
             if last < end and last - start <= _FOLDED_ROWS:
                 last = start  # all of them in the full pass
             stored.add(seq, start, last, features[: last - start])
             newest.add(seq, last, end, features[last - start :])
-            seq.pending_features = seq.pending_features[end - start :]
             seq.num_head_computed_tokens = end
         if stored.seq_ids:
-            self.head.store_kv(
-                torch.tensor(stored.ids, device=self.device),
-                torch.cat(stored.features),
-                torch.tensor(stored.positions, device=self.device),
-                self.kv_cache,
-                new_token_slots(stored.attention, self.block_size, self.device),
-                self.target.embed_tokens,
-            )
+            self._store_kv(stored)
         if not newest.seq_ids:
             return {}
         hidden = self._run_head(
             newest.ids, torch.cat(newest.features), newest.positions, newest.attention
         )  # [T, hidden]
         return dict(zip(newest.seq_ids, hidden[[row - 1 for row in newest.last_rows()]]))
+
+    def _store_kv(self, rows: _HeadRows) -> None:
+        """The head's K/V of `rows`, without its output (nobody reads it)."""
+        self.head.store_kv(
+            torch.tensor(rows.ids, device=self.device),
+            torch.cat(rows.features),
+            torch.tensor(rows.positions, device=self.device),
+            self.kv_cache,
+            new_token_slots(rows.attention, self.block_size, self.device),
+            self.target.embed_tokens,
+        )
 
     def _grow(
         self, items: list[ScheduledSequence], root_features: torch.Tensor, num_pass_tokens: int
@@ -201,8 +230,9 @@ class EagleDrafter:
             children_sources[active] = out.view(len(active), k, 1, -1).expand(-1, -1, k, -1)
             sources = torch.cat([sources, children_sources.flatten(1, 2)], dim=1)
         num_keep = [self._num_keep(item.num_lookahead, d) for item, d in zip(items, depths)]
-        if self.budget is not None:
-            num_keep = self.budget.allocate(_best_values(candidates, num_keep), num_pass_tokens)
+        if self.policy is not None:
+            values = _best_values(candidates, num_keep)
+            num_keep = self.policy.budget.allocate(values, num_pass_tokens)
         roots = [item.seq.token_ids[-1] for item in items]
         trees = rerank(candidates, roots, num_keep)
         return [tree if tree.num_draft_tokens else None for tree in trees]
@@ -275,10 +305,16 @@ class EagleDrafter:
 
     # ------------------------------------------------------------------ commit
     def commit(self, seq: Sequence, features: torch.Tensor) -> None:
-        if seq.pending_features is None or not len(seq.pending_features):
-            seq.pending_features = features.clone()
-        else:
-            seq.pending_features = torch.cat([seq.pending_features, features])
+        seq.pending_features.append(features.clone())  # a copy: the pass's rows may go
+
+
+def _take_pending(seq: Sequence, num_rows: int) -> torch.Tensor:
+    """The first `num_rows` of `seq`'s pending features [num_rows, hidden], removed from it."""
+    parts = seq.pending_features
+    pending = parts[0] if len(parts) == 1 else torch.cat(parts)  # [pending rows, hidden]
+    taken, rest = pending[:num_rows], pending[num_rows:]
+    seq.pending_features = [rest] if len(rest) else []
+    return taken
 
 
 def _best_values(candidates: Candidates, num_keep: list[int]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from drafting.shipped_heads import shipped_head
 from engine.config import EngineConfig
 from engine.execution.models.decoder import DecoderModel
 from engine.execution.models.spec import ModelSpec
-from engine.spec.draft_budget import DraftBudget
+from engine.spec.draft_policy import DraftPolicy
 
 
 class EagleMethod:
@@ -35,7 +35,7 @@ class EagleMethod:
         target: DecoderModel,
         kv_layer: tuple[torch.Tensor, torch.Tensor],
         config: EngineConfig,
-        budget: DraftBudget | None,
+        policy: DraftPolicy | None,
     ) -> EagleDrafter:
         shape = TreeShape(config.draft_top_k, config.draft_depth, config.draft_total_tokens)
         return EagleDrafter(
@@ -44,6 +44,6 @@ class EagleMethod:
             kv_layer,
             config.block_size,
             shape,
-            budget,
+            policy,
             config.fp16_draft_weights,
         )

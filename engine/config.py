@@ -49,10 +49,13 @@ class EngineConfig:
     draft_top_k: int = 4  # children scored per expanded node
     draft_depth: int = 2  # draft layers (head passes per step)
     draft_total_tokens: int = 4  # tree nodes verified per sequence at most, the root included
-    # Each step verifies only the draft nodes worth their verify cost, across the batch, and
-    # skips drafting when plain decoding is faster (spec/draft_budget.py). False: every tree is
-    # verified at draft_total_tokens.
+    # Whether a step drafts is chosen from measured whole steps, per batch size, and per request
+    # from its own acceptance; a drafting step verifies only the nodes worth their verify cost
+    # (docs/draft-controller.md). False: every step drafts and verifies whole trees.
     adaptive_draft_budget: bool = True
+    # Steps of a batch size after which the controller weighs what it measured half as much:
+    # shorter follows changes faster, longer loses less to exploring the worse choice.
+    draft_controller_half_life: int = 128
     # fp32 on CPU: the draft head's linears and the draft lm_head keep their weights in fp16 and
     # multiply through FBGEMM's fp16 GEMM (layers/fp16_linear.py): half of drafting's weight
     # reads; drafts only, so outputs do not change. False: fp32, as the target's
@@ -80,6 +83,7 @@ class EngineConfig:
         _require(self.draft_top_k >= 1, "draft_top_k must be >= 1")
         _require(self.draft_depth >= 1, "draft_depth must be >= 1")
         _require(self.draft_total_tokens >= 2, "draft_total_tokens must be >= 2")
+        _require(self.draft_controller_half_life >= 1, "draft_controller_half_life must be >= 1")
         max_nodes = self.draft_top_k + (self.draft_depth - 1) * self.draft_top_k**2
         _require(
             self.draft_total_tokens - 1 <= max_nodes,

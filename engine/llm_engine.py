@@ -39,8 +39,10 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request_validation import validate_request
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling.sampling_params import SamplingParams
-from engine.spec.draft_budget import DraftBudget, StepOutcome, expected_tokens
+from engine.spec.draft_budget import DraftBudget, expected_tokens
+from engine.spec.draft_controller import DraftController
 from engine.spec.draft_method import DraftHead, load_draft_method
+from engine.spec.draft_policy import DraftPolicy, StepReport
 from engine.spec.drafter import Accepted, AutoregressiveDrafter, Drafter
 from engine.stats import FinishedRequestStats, StepStats
 
@@ -91,7 +93,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.budget = self._measure_budget() if head and config.adaptive_draft_budget else None
+        self.policy = self._draft_policy() if head and config.adaptive_draft_budget else None
         self.drafter: Drafter = self._make_drafter(head) if head else AutoregressiveDrafter()
         self.scheduler = Scheduler(config, self.block_manager, self.drafter.num_lookahead_tokens)
         self.requests: dict[str, Request] = {}
@@ -110,12 +112,13 @@ class LLMEngine:
     def _make_drafter(self, head: DraftHead) -> Drafter:
         kv_layer = self.runner.kv_cache.layers[-1]  # the extra layer allocated for the head
         return self.draft_method.make_drafter(
-            head, self.runner.model, kv_layer, self.config, self.budget
+            head, self.runner.model, kv_layer, self.config, self.policy
         )
 
-    def _measure_budget(self) -> DraftBudget:
+    def _draft_policy(self) -> DraftPolicy:
         """Time verify passes up to the largest a decode step builds (at most 256 tokens; the
-        cost model extends its last slope beyond)."""
+        cost model extends its last slope beyond): the budget's first view of pass costs, which
+        live passes then correct."""
         config = self.config
         largest = min(
             config.max_num_batched_tokens, config.max_num_seqs * config.draft_total_tokens, 256
@@ -129,7 +132,7 @@ class LLMEngine:
             ),
         )
         self.runner.verify_cost = cost
-        return DraftBudget(cost)
+        return DraftPolicy(DraftBudget(cost), DraftController(config.draft_controller_half_life))
 
     # ----------------------------------------------------------------- requests in
     def make_request(
@@ -209,42 +212,36 @@ class LLMEngine:
         accepted = self._accept(batch, trees, verified)  # accept
         decided = time.perf_counter()
         outputs = self._commit(batch, accepted, verified)  # commit
-        if self.budget is not None:
-            pass_seconds, step_seconds = executed - proposed, time.perf_counter() - start
-            self._inform_budget(
-                batch, trees, accepted, pass_seconds, step_seconds, num_prompt_tokens > 0
-            )
+        if self.policy is not None:
+            self._inform_policy(batch, trees, accepted, executed - proposed, start)
         timings = (proposed - start, checked - proposed, decided - checked)
         budget = None
-        if self.budget is not None and any(item.num_lookahead for item in batch.scheduled):
+        if self.policy is not None and any(item.num_lookahead for item in batch.scheduled):
             budget = sum(tree.num_draft_tokens for tree in trees.values())
         self._emit_stats(batch, num_prompt_tokens, accepted, timings, budget)
         return outputs
 
-    def _inform_budget(
+    def _inform_policy(
         self,
         batch: SchedulerOutput,
         trees: dict[int, DraftTree],
         verdicts: list[_Verdict],
-        verify_seconds: float,
-        step_seconds: float,
-        prefilled: bool,
+        pass_seconds: float,
+        started: float,
     ) -> None:
         num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
-        self.budget.observe_verify(batch.num_new_tokens + num_draft_tokens, verify_seconds)
-        drafted = [v for v in verdicts if v.tree is not None]
-        if drafted:
-            self.budget.observe_acceptance(
-                sum(expected_tokens(v.tree.values[1:]) for v in drafted),
-                sum(len(v.accepted.accepted_nodes) for v in drafted),
-            )
-        self.budget.observe_step(
-            StepOutcome(
-                seconds=step_seconds,
-                pass_seconds=verify_seconds,
+        self.policy.observe_step(
+            StepReport(
+                seconds=time.perf_counter() - started,
+                pass_seconds=pass_seconds,
+                num_pass_tokens=batch.num_new_tokens + num_draft_tokens,
                 num_decoding=sum(1 for item in batch.scheduled if item.num_lookahead),
-                prefilled=prefilled,
                 num_tokens=sum(len(v.accepted.token_ids) for v in verdicts),
+                trees=[
+                    (v.seq, expected_tokens(v.tree.values[1:]), len(v.accepted.accepted_nodes))
+                    for v in verdicts
+                    if v.tree is not None
+                ],
             )
         )
 

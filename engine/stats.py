@@ -38,8 +38,8 @@ class StepStats:
     # Tokens each drafted sequence emitted from this step's target pass (accepted + bonus, cut
     # at a stop): one entry per entry of `num_drafts`.
     tokens_per_pass: tuple[int, ...] = ()
-    # Draft tokens the adaptive budget chose to verify across the batch (0: the step decoded
-    # plainly); None when no budget runs or no sequence could draft.
+    # Draft tokens the draft policy chose to verify across the batch (0: the step decoded
+    # plainly); None without the adaptive policy or when no sequence could draft.
     draft_budget: int | None = None
     propose_time_s: float = 0.0
     verify_time_s: float = 0.0

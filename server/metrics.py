@@ -271,15 +271,15 @@ class _SpecDecodeMetrics:
         )
         self.draft_budget = Histogram(
             "aerie_spec_decode_draft_budget_tokens",
-            "Draft tokens the adaptive budget chose to verify in a step, across the batch "
-            "(0: the step decoded plainly because speculation would not pay)",
+            "Draft tokens verified in a decode step, across the batch, as the draft controller "
+            "and budget chose (0: the step decoded plainly)",
             labels,
             buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
             registry=r,
         )
         self.plain_steps = Counter(
             "aerie_spec_decode_plain_steps",
-            "Decode steps the adaptive budget ran without drafts (speculation would not pay)",
+            "Decode steps the draft controller ran without verifying drafts",
             labels,
             registry=r,
         )

@@ -77,9 +77,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     # With a draft head: positions whose head K/V is computed (None: no head), and the target
-    # features [k, hidden] of positions [num_head_computed_tokens, num_computed_tokens).
+    # features of positions [num_head_computed_tokens, num_computed_tokens), in order, as the
+    # passes brought them ([k, hidden] each; the drafter concatenates them when it needs them).
     num_head_computed_tokens: int | None = None
-    pending_features: torch.Tensor | None = None
+    pending_features: list[torch.Tensor] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_hashed_blocks: int = 0  # leading blocks already offered to the prefix cache
@@ -125,7 +126,7 @@ class Sequence:
         self.num_computed_tokens = num_cached
         if self.num_head_computed_tokens is not None:
             self.num_head_computed_tokens = num_cached
-        self.pending_features = None
+        self.pending_features = []
 
     def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
         """A sibling sharing this sequence's tokens and blocks (the caller adjusts ref counts)."""
@@ -144,5 +145,5 @@ class Sequence:
             num_hashed_blocks=self.num_hashed_blocks,
             text=self.text,
             num_head_computed_tokens=self.num_head_computed_tokens,
-            pending_features=self.pending_features,
+            pending_features=list(self.pending_features),
         )

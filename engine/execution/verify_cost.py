@@ -5,13 +5,17 @@ over a short context, logits on each one's root, as a verify pass of draft trees
 powers of two up to the largest pass the scheduler can build; and the lm_head alone over 1, 2,
 4, ... rows, which the acceptance walk spends on the draft nodes it accepts (on a CPU with packed
 weights a few rows cost about what one does). The draft budget (engine/spec/draft_budget.py) weighs
-extra draft tokens against them.
+extra draft tokens against them. A busy machine can fool a start-up measurement, so LiveVerifyCost
+prefers what the engine's own passes take: per measured point, the median of its recent live
+passes once there are a few, the start-up value scaled by the median live ratio until then.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
@@ -41,6 +45,52 @@ class VerifyCost:
         may be fractional): from nothing at 0 rows, piecewise linear through the measurements."""
         x = np.maximum(np.asarray(num_rows, dtype=np.float64), 0.0)
         return _piecewise_linear((0, *self.logits_rows), (0.0, *self.logits_seconds), x)
+
+
+_LIVE_WINDOW = 16  # live passes kept per measured point
+_MIN_LIVE = 3  # live passes a point needs before they replace its start-up value
+
+
+class LiveVerifyCost:
+    """Pass seconds by number of tokens, from live passes where seen, else `startup`'s shape."""
+
+    def __init__(self, startup: VerifyCost, learn: bool = True) -> None:
+        self.startup = startup
+        self.learn = learn  # False: `startup` as given (to fix the costs a test or benchmark sets)
+        self.windows = [deque(maxlen=_LIVE_WINDOW) for _ in startup.num_tokens]  # seconds
+        self.ratios: deque[float] = deque(maxlen=2 * _LIVE_WINDOW)  # live / start-up, any size
+        self._points: np.ndarray | None = None  # corrected seconds at startup.num_tokens
+
+    @property
+    def scale(self) -> float:
+        """Median of recent live passes' seconds over the start-up measurement's (1 before)."""
+        return statistics.median(self.ratios) if self.ratios else 1.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A live pass of `num_tokens` tokens took `seconds`: kept at the nearest point (in
+        log scale), moved there along the start-up curve."""
+        if not self.learn:
+            return
+        predicted = max(self.startup(num_tokens), 1e-9)
+        self.ratios.append(seconds / predicted)
+        logs = np.log2(self.startup.num_tokens)
+        nearest = int(np.abs(logs - math.log2(max(num_tokens, 1))).argmin())
+        point = self.startup.num_tokens[nearest]
+        self.windows[nearest].append(seconds * self.startup(point) / predicted)
+        self._points = None
+
+    def __call__(self, num_tokens):
+        """Seconds for a pass of `num_tokens` tokens (a number or an array), piecewise linear
+        through the corrected points, never less for more tokens."""
+        if self._points is None:
+            scale = self.scale
+            points = [
+                statistics.median(window) if len(window) >= _MIN_LIVE else startup * scale
+                for window, startup in zip(self.windows, self.startup.seconds)
+            ]
+            self._points = np.maximum.accumulate(points)
+        x = np.maximum(np.asarray(num_tokens, dtype=np.float64), self.startup.num_tokens[0])
+        return _piecewise_linear(self.startup.num_tokens, tuple(self._points), x)
 
 
 def node_logits_with_pass(cost: VerifyCost | None, num_sampled: int, num_nodes, num_trees: int):

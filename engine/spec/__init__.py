@@ -1,2 +1,3 @@
 """Speculation as the engine sees it: the drafter protocol, the draft-method entry point through
-which drafting/ plugs in, and the budget that decides how much of a tree to verify."""
+which drafting/ plugs in, and the policy that decides where to draft (the controller, per batch
+size; the evidence, per request) and how much of a tree to verify (the budget)."""

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.execution.models.decoder import DecoderModel
     from engine.execution.models.spec import ModelSpec
-    from engine.spec.draft_budget import DraftBudget
+    from engine.spec.draft_policy import DraftPolicy
     from engine.spec.drafter import Drafter
 
 ENTRY_POINT_GROUP = "aerie.draft_methods"
@@ -54,9 +54,10 @@ class DraftMethod(Protocol):
         target: DecoderModel,
         kv_layer: tuple[torch.Tensor, torch.Tensor],
         config: EngineConfig,
-        budget: DraftBudget | None,
+        policy: DraftPolicy | None,
     ) -> Drafter:
-        """The drafter that speculates with `head`, its K/V in `kv_layer` of the engine's pool."""
+        """The drafter that speculates with `head`, its K/V in `kv_layer` of the engine's pool,
+        drafting where `policy` says (None: every step, whole trees)."""
 
 
 def load_draft_method(name: str = DEFAULT_METHOD) -> DraftMethod:

@@ -9,9 +9,29 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.spec.draft_controller import DraftController
 from tests.conftest import save_random_eagle3_head, save_random_head, save_tiny_model
 
 SMALL_VOCAB = 8  # tokens in `small_vocab`
+
+
+class AlwaysDraft(DraftController):
+    """The controller's choice fixed to drafting, to watch the parts after it."""
+
+    def choose(self, num_decoding: int) -> bool:
+        return True
+
+
+class AlternateDrafting(DraftController):
+    """Drafting and plain steps in turn, whatever they measure: both kinds in every run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_choices = 0
+
+    def choose(self, num_decoding: int) -> bool:
+        self.num_choices += 1
+        return self.num_choices % 2 == 1
 
 
 def train_head_quickly(

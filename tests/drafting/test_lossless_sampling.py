@@ -20,7 +20,8 @@ import drafting.eagle_drafter
 from engine import LLM, SamplingParams
 from engine.execution.verify_cost import VerifyCost
 from engine.sampling.logits_processing import target_probabilities
-from tests.drafting.conftest import SMALL_VOCAB
+from engine.spec.draft_budget import DraftBudget
+from tests.drafting.conftest import SMALL_VOCAB, AlternateDrafting
 
 VOCAB = SMALL_VOCAB
 PROMPT = [1, 3, 4, 5, 3]
@@ -110,15 +111,16 @@ def test_speculative_sampling_matches_the_target_distribution(small_vocab, head,
 
 @pytest.mark.slow
 def test_trees_cut_by_the_adaptive_budget_stay_lossless(small_vocab):
-    """A verify cost under which only likely nodes pay, and a probe every other step: trees of
-    every size from empty to whole, and plain steps between drafted ones."""
+    """A verify cost under which only likely nodes pay, and drafting and plain steps in
+    turn: trees of every size from empty to whole, and plain steps."""
     steps = []
 
     def partial_budget(engine):
         # 512 roots take 10 s; a node pays when its acceptance chance is above about 0.5, and
         # drafting (real time, a fraction of a second) is cheap beside a pass
-        engine.budget.verify_cost = VerifyCost((1, 8192), (5.0, 5.0 + 8191 / 102.4))
-        engine.budget.probe_interval = 1
+        cost = VerifyCost((1, 8192), (5.0, 5.0 + 8191 / 102.4))
+        engine.policy.budget = DraftBudget(cost, learn=False)
+        engine.policy.controller = AlternateDrafting()
         engine.stats_listeners.append(steps.append)
 
     setting = SETTINGS["temperature 1"]

@@ -12,6 +12,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.execution.verify_cost import VerifyCost
+from engine.spec.draft_budget import DraftBudget
+from tests.drafting.conftest import AlternateDrafting
 from tests.drafting.test_speculative_generation import mixed_prompts
 
 SETTINGS = {
@@ -35,10 +37,11 @@ def tokens(llm: LLM, prompts, params) -> list[list[list[int]]]:
 
 
 def cut_trees_and_plain_steps(llm: LLM) -> None:
-    """A verify cost under which only likely nodes pay, and a probe after every plain step: trees
-    of every size from none to whole, chosen as the run goes."""
-    llm.engine.budget.verify_cost = VerifyCost((1, 8192), (5.0, 5.0 + 8191 / 102.4))
-    llm.engine.budget.probe_interval = 1
+    """A verify cost under which only likely nodes pay, and drafting and plain steps in
+    turn: trees of every size from none to whole, and plain steps."""
+    cost = VerifyCost((1, 8192), (5.0, 5.0 + 8191 / 102.4))
+    llm.engine.policy.budget = DraftBudget(cost, learn=False)
+    llm.engine.policy.controller = AlternateDrafting()
 
 
 @pytest.fixture
