@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 
-import llguidance
 import pytest
 import torch
 import transformers
@@ -131,7 +130,3 @@ def test_compiled_grammars_are_cached_per_spec(llm):
 def test_min_tokens_with_a_grammar_is_refused():
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured=GrammarSpec("json_object"))
-
-
-def test_llguidance_is_the_backend():
-    assert llguidance.LLMatcher is not None
