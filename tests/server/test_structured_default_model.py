@@ -77,8 +77,9 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def default_server(server_logs) -> Iterator[LiveServer]:
-    server = start_server(DEFAULT_MODEL, server_logs, api_key=None, served_name=None)
+    server = start_server(DEFAULT_MODEL, server_logs, api_key=None, served_name=None, wait=False)
     try:
+        server.wait_ready(timeout=240)  # the default model and its head start slowly on a busy box
         yield server
     finally:
         server.stop()
