@@ -15,6 +15,7 @@ sit at root + (d - 1) * k + r. It is draft-only: the next catch-up overwrites it
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from engine.execution.model_runner import ForwardOutput
 from engine.execution.models.decoder import DecoderModel
 from engine.execution.verify_cost import FREE_LOGITS_ROWS
 from engine.outputs import TokenLogprob
+from engine.sampling.grammar import mask_logits, unpack_bitmask
 from engine.sampling.logits_processing import apply_penalties, target_probabilities, token_logprobs
 from engine.spec.draft_policy import DraftPolicy
 from engine.spec.drafter import Accepted, logits_context, sample_one_each
@@ -212,8 +214,9 @@ class EagleDrafter:
     ):
         """EAGLE-2 expansion and reranking for B sequences at once."""
         k, batch = self.shape.top_k, len(items)
+        root_allowed = self._allowed_drafts(items, lambda b: [[]])  # [B, 1, V] or None
         candidates = Candidates.first_layer(
-            self._draft_logprobs(root_features), k, self.draft_vocab
+            self._draft_logprobs(root_features, _rows(root_allowed)), k, self.draft_vocab
         )
         sources = root_features[:, None, :].expand(-1, k, -1)  # [B, M, hidden] drafting feature
         depths = [self._depth_for(item.num_lookahead) for item in items]
@@ -222,14 +225,21 @@ class EagleDrafter:
             active = [b for b in range(batch) if depths[b] > layer]
             chosen = candidates.newest_layer_best(k)  # [B, k] candidate indices
             out = self._expand(items, active, layer, candidates, chosen, sources, rows)
+            allowed = self._allowed_drafts(
+                items, functools.partial(_chosen_paths, candidates, chosen)
+            )  # [B, k, V] or None
             logprobs = torch.full((batch, k, self.draft_vocab_size), -torch.inf, device=self.device)
-            logprobs[active] = self._draft_logprobs(out).view(len(active), k, -1)
+            active_allowed = None if allowed is None else _rows(allowed[active])
+            logprobs[active] = self._draft_logprobs(out, active_allowed).view(len(active), k, -1)
             # children of inactive rows: -inf
             candidates.add_children(chosen, logprobs, k, self.draft_vocab)
             children_sources = out.new_zeros(batch, k, k, out.shape[-1])
             children_sources[active] = out.view(len(active), k, 1, -1).expand(-1, -1, k, -1)
             sources = torch.cat([sources, children_sources.flatten(1, 2)], dim=1)
         num_keep = [self._num_keep(item.num_lookahead, d) for item, d in zip(items, depths)]
+        if root_allowed is not None:  # never propose what the grammar forbids
+            num_finite = torch.isfinite(candidates.values).sum(dim=-1).tolist()
+            num_keep = [min(n, f) for n, f in zip(num_keep, num_finite)]
         if self.policy is not None:
             values = _best_values(candidates, num_keep)
             num_keep = self.policy.budget.allocate(values, num_pass_tokens)
@@ -266,10 +276,34 @@ class EagleDrafter:
             self.target.embed_tokens,
         )
 
-    def _draft_logprobs(self, features: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, V] draft log-probabilities over the draft vocabulary."""
+    def _draft_logprobs(
+        self, features: torch.Tensor, allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[N, hidden] -> [N, V] draft log-probabilities over the draft vocabulary. With
+        `allowed` ([N, V] bool, a grammar's mask), renormalised over the allowed tokens (-inf
+        everywhere in a row that allows none)."""
         logits = self.draft_logits(features).float()  # [N, V]
-        return torch.log_softmax(logits, dim=-1)
+        if allowed is None:
+            return torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        return torch.where(allowed.any(dim=-1, keepdim=True), logprobs, float("-inf"))
+
+    def _allowed_drafts(self, items: list[ScheduledSequence], paths) -> torch.Tensor | None:
+        """[B, P, V] bool: the draft tokens each sequence's grammar allows after each of its P
+        draft paths (`paths(b)`: lists of tokens after the root); True throughout for
+        unconstrained sequences; None when no sequence is constrained."""
+        constrained = [b for b, item in enumerate(items) if item.seq.grammar is not None]
+        if not constrained:
+            return None
+        masks = {b: items[b].seq.grammar.bitmasks_along(paths(b)) for b in constrained}
+        vocab = items[constrained[0]].seq.grammar.vocab_size
+        num_paths = len(next(iter(masks.values())))
+        allowed = torch.ones(len(items), num_paths, vocab, dtype=torch.bool)
+        for b, bitmask in masks.items():
+            allowed[b] = unpack_bitmask(bitmask, vocab)  # [P, vocab]
+        if self.draft_vocab is not None:
+            allowed = allowed[:, :, self.draft_vocab.cpu()]  # [B, P, V_draft]
+        return allowed.to(self.device)
 
     def _depth_for(self, room: int) -> int:
         """Draft layers that fit in `room` scratch entries (the head's rows and the nodes)."""
@@ -315,6 +349,16 @@ def _take_pending(seq: Sequence, num_rows: int) -> torch.Tensor:
     taken, rest = pending[:num_rows], pending[num_rows:]
     seq.pending_features = [rest] if len(rest) else []
     return taken
+
+
+def _chosen_paths(candidates: Candidates, chosen: torch.Tensor, b: int) -> list[list[int]]:
+    """Sequence b's draft paths to its chosen candidates (chosen: [B, k] indices)."""
+    return [candidates.path(b, int(c)) for c in chosen[b]]
+
+
+def _rows(allowed: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, P, V] -> [B * P, V], one row per drafted node."""
+    return None if allowed is None else allowed.flatten(0, 1)
 
 
 def _best_values(candidates: Candidates, num_keep: list[int]) -> torch.Tensor:
@@ -382,7 +426,7 @@ def _walk_trees(
     active, logits = walks, root_logits  # logits: [A, vocab] at each active walk's node
     computed = dict(verified.tree_logits)  # hidden row -> [vocab] raw target logits
     while active:
-        processed = _penalised(active, logits)
+        processed = _constrained(active, _penalised(active, logits), logits)
         argmax = processed.argmax(dim=-1).tolist()
         probs = _sampling_probabilities(active, processed)
         active = [
@@ -432,6 +476,21 @@ def _penalised(walks: list[_Walk], logits: torch.Tensor) -> torch.Tensor:
                 processed = logits.clone()
             path = [walk.tree.tokens[n] for n in walk.accepted]
             apply_penalties(processed[i : i + 1], [logits_context(seq, path)])
+    return processed
+
+
+def _constrained(walks: list[_Walk], processed: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Mask what each constrained walk's grammar forbids after its own path (the sequence's
+    tokens plus the accepted nodes). processed: [A, vocab], never `raw` itself once masked."""
+    constrained = [i for i, walk in enumerate(walks) if walk.seq.grammar is not None]
+    if not constrained:
+        return processed
+    if processed is raw:
+        processed = raw.clone()
+    for i in constrained:
+        walk = walks[i]
+        path = [walk.tree.tokens[n] for n in walk.accepted]
+        mask_logits(processed[i : i + 1], walk.seq.grammar.bitmasks_along([path]))
     return processed
 
 

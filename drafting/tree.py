@@ -39,6 +39,14 @@ class Candidates:
         parents = torch.full_like(tokens, ROOT)
         return cls(tokens, values, parents, torch.ones_like(tokens))
 
+    def path(self, b: int, candidate: int) -> list[int]:
+        """Tokens from sequence b's root (excluded) down to `candidate` (included)."""
+        tokens = []
+        while candidate != ROOT:
+            tokens.append(int(self.tokens[b, candidate]))
+            candidate = int(self.parents[b, candidate])
+        return tokens[::-1]
+
     def newest_layer_best(self, top_k: int) -> torch.Tensor:
         """Candidate indices [B, top_k] of the best nodes of the deepest layer."""
         depth = int(self.depths.max())

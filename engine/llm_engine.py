@@ -38,6 +38,7 @@ from engine.execution.verify_cost import measure_verify_cost
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request_validation import validate_request
 from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.sampling_params import SamplingParams
 from engine.spec.draft_budget import DraftBudget, expected_tokens
 from engine.spec.draft_controller import DraftController
@@ -72,6 +73,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path)
         self.max_model_len = _max_model_len(config, self.spec)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         state_dict = load_state_dict(path)
         self.draft_method = load_draft_method() if config.draft else None
         head = self._load_head(config) if config.draft else None
@@ -158,7 +160,10 @@ class LLMEngine:
         metrics = RequestMetrics(
             arrival_time or time.monotonic(), num_prompt_tokens=len(prompt_ids)
         )
-        return Request(request_id, text, prompt_ids, params, max_total, self.eos_token_ids, metrics)
+        grammar = self.grammars.compile(params.structured) if params.structured else None
+        return Request(
+            request_id, text, prompt_ids, params, max_total, self.eos_token_ids, metrics, grammar
+        )
 
     def add_request(
         self,
@@ -315,6 +320,8 @@ class LLMEngine:
             for token_id, logprob in zip(accepted.token_ids, accepted.logprobs):
                 status = append_token(seq, token_id, logprob)
                 verdict.num_emitted += 1
+                if seq.grammar is not None:
+                    seq.grammar.advance([token_id])
                 if status is not None:
                     self.scheduler.finish(seq, status)
                     break
@@ -454,6 +461,7 @@ class LLMEngine:
             len(request.prompt_token_ids),
             detokenizer,
             self._generator(request.params, index),
+            grammar=request.grammar.matcher() if request.grammar else None,
             num_head_computed_tokens=0 if self.config.draft else None,
         )
 

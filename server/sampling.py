@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError
+from engine.sampling.grammar import GrammarSpec
 from engine.sampling.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -10,7 +11,12 @@ from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFi
 MAX_STOP_SEQUENCES = 4
 
 
-def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling_params(
+    body: ChatCompletionRequest,
+    structured: GrammarSpec | None = None,
+    skip_special_tokens: bool | None = None,
+) -> SamplingParams:
+    """`skip_special_tokens` overrides the body's (tool parsers whose markers are special)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
@@ -21,18 +27,27 @@ def chat_sampling_params(body: ChatCompletionRequest) -> SamplingParams:
     max_tokens = body.max_completion_tokens or body.max_tokens
     _check_positive(body.max_completion_tokens, "max_completion_tokens")
     _check_positive(body.max_tokens, "max_tokens")
-    return _sampling_params(body, max_tokens, logprobs)
+    skip = body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+    return _sampling_params(body, max_tokens, logprobs, structured, skip)
 
 
-def completion_sampling_params(body: CompletionRequest) -> SamplingParams:
+def completion_sampling_params(
+    body: CompletionRequest, structured: GrammarSpec | None = None
+) -> SamplingParams:
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of other than n is not supported yet", param="best_of")
     _check_positive(body.max_tokens, "max_tokens")
-    return _sampling_params(body, body.max_tokens, body.logprobs)
+    return _sampling_params(
+        body, body.max_tokens, body.logprobs, structured, body.skip_special_tokens
+    )
 
 
 def _sampling_params(
-    body: SamplingFields, max_tokens: int | None, logprobs: int | None
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    structured: GrammarSpec | None,
+    skip_special_tokens: bool,
 ) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_SEQUENCES:
@@ -63,8 +78,9 @@ def _sampling_params(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            structured=structured,
         )
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from None

@@ -15,6 +15,7 @@ from engine.sampling.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.outputs import TokenLogprob
     from engine.sampling.detokenizer import IncrementalDetokenizer
+    from engine.sampling.grammar import CompiledGrammar, GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -26,6 +27,7 @@ class Request:
     max_total_tokens: int  # prompt + output may not pass this (the context or max_tokens)
     eos_token_ids: frozenset[int]
     metrics: RequestMetrics
+    grammar: CompiledGrammar | None = None  # what every choice's output must match
     sequences: list[Sequence] = field(default_factory=list)
 
     @property
@@ -74,6 +76,7 @@ class Sequence:
     prompt_len: int
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None  # set for seeded requests: its own random stream
+    grammar: GrammarMatcher | None = None  # constrained requests: the grammar after the output
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     # With a draft head: positions whose head K/V is computed (None: no head), and the target
@@ -138,6 +141,7 @@ class Sequence:
             prompt_len=self.prompt_len,
             detokenizer=self.detokenizer.copy(),
             generator=generator,
+            grammar=self.grammar.fork() if self.grammar else None,
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
             block_table=list(self.block_table),

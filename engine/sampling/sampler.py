@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprob
+from engine.sampling.grammar import mask_logits
 from engine.sampling.logits_processing import (
     LogitsContext,
     apply_penalties,
@@ -26,14 +27,18 @@ def sample(
     logits: torch.Tensor,  # [N, vocab] float32, raw target logits
     contexts: list[LogitsContext],
     generators: list[torch.Generator | None],
+    bitmasks: torch.Tensor | None = None,  # [N, words] int32 grammar masks; None: unconstrained
 ) -> SamplerOutput:
+    """Log-probabilities are the raw target's; the grammar and every setting shape the choice."""
     params = [c.params for c in contexts]
     processed = logits
+    if bitmasks is not None:
+        processed = mask_logits(logits.clone(), bitmasks)
     if any(
         p.has_penalties or p.logit_bias or c.num_output_tokens < p.min_tokens
         for p, c in zip(params, contexts)
     ):
-        processed = apply_penalties(logits.clone(), contexts)
+        processed = apply_penalties(processed if bitmasks is not None else logits.clone(), contexts)
     if all(p.greedy for p in params):
         tokens = processed.argmax(dim=-1)  # [N]
     else:

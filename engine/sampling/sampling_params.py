@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 
 from engine.errors import InvalidRequestError
+from engine.sampling.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 
@@ -18,7 +19,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 switch those filters off.
     `logprobs` is the number of top alternatives to return per token (0: only the chosen token's),
-    None returns none. `max_tokens` None means "until the context is full".
+    None returns none. `max_tokens` None means "until the context is full". `structured`: the
+    grammar the output must match (JSON schema, regex, ...), None for free text.
     """
 
     n: int = 1
@@ -39,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -138,6 +141,17 @@ class SamplingParams:
             all(t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be >= 0",
             "stop_token_ids",
+        )
+        _check(
+            self.structured is None or isinstance(self.structured, GrammarSpec),
+            "structured must be a GrammarSpec",
+            "structured",
+        )
+        _check(
+            self.structured is None or self.min_tokens == 0,
+            "min_tokens cannot be combined with structured outputs (the grammar decides where "
+            "the output ends)",
+            "min_tokens",
         )
         if self.logit_bias:
             _check(

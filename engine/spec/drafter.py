@@ -18,6 +18,7 @@ from engine.core.request import Sequence
 from engine.core.scheduler import SchedulerOutput
 from engine.execution.model_runner import ForwardOutput
 from engine.outputs import TokenLogprob
+from engine.sampling.grammar import all_allowed
 from engine.sampling.logits_processing import LogitsContext
 from engine.sampling.sampler import sample
 
@@ -84,8 +85,21 @@ def sample_one_each(seqs: list[Sequence], logits: torch.Tensor, rows: list[int])
         return []
     picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
     contexts = [logits_context(s) for s in seqs]
-    result = sample(picked, contexts, [s.generator for s in seqs])
+    result = sample(picked, contexts, [s.generator for s in seqs], grammar_bitmasks(seqs))
     return [Accepted([t], [lp], []) for t, lp in zip(result.token_ids, result.logprobs)]
+
+
+def grammar_bitmasks(seqs: list[Sequence], paths: list[list[int]] | None = None):
+    """[N, words] int32: the tokens each sequence's grammar allows after its tokens plus its
+    draft path (paths[i], default none); None when no sequence is constrained."""
+    if all(s.grammar is None for s in seqs):
+        return None
+    vocab_size = next(s.grammar.vocab_size for s in seqs if s.grammar is not None)
+    masks = all_allowed(len(seqs), vocab_size)
+    for row, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            masks[row] = seq.grammar.bitmasks_along([paths[row] if paths else []])[0]
+    return masks
 
 
 def logits_context(seq: Sequence, path: list[int] = ()) -> LogitsContext:

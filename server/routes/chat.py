@@ -31,6 +31,10 @@ from server.protocol import (
 )
 from server.sampling import chat_sampling_params
 from server.state import StateDep
+from server.structured import checked_grammar, requested_grammar
+from server.tool_answers import ToolAnswers
+from server.tool_parsers import parser_for_template
+from server.tools import tool_request
 
 router = APIRouter(dependencies=[require_api_key])
 
@@ -41,68 +45,104 @@ async def create_chat_completion(
 ):
     engine = state.ready_engine()
     state.check_model(body.model)
-    _reject_unsupported(body)
-    params = chat_sampling_params(body)
     tokenizer = engine.engine.tokenizer
-    prompt = chat_prompt_ids(tokenizer, body)
+    tools = tool_request(body)
+    answers = _tool_answers(tools, tokenizer)
+    grammar = _grammar(body, tools, engine.engine.grammars)
+    params = chat_sampling_params(body, grammar, _skip_special_tokens(answers))
+    prompt = chat_prompt_ids(tokenizer, body, tools)
     state.check_queue(engine)
     request_id, model = random_id("chatcmpl"), state.settings.served_model_name
     call = start_call(engine, request_id, [prompt], params)
     if body.stream:
         chunk = chunk_writer(ChatCompletionChunk, request_id, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = sse_stream(
-            call, _choice_chunks(call, chunk, tokenizer, params.n), chunk, include_usage
-        )
-        return EngineStreamingResponse(events, call)
+        chunks = _choice_chunks(call, chunk, tokenizer, params.n, answers)
+        return EngineStreamingResponse(sse_stream(call, chunks, chunk, include_usage), call)
     (final,) = await collect(call, http_request)
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=AssistantMessage(content=c.text),
-            logprobs=chat_logprobs(tokenizer, c.logprobs),
-            finish_reason=c.finish_reason,
+    choices = []
+    for c in final.outputs:
+        message, finish_reason = AssistantMessage(content=c.text), c.finish_reason
+        if answers.active:
+            message, finish_reason = answers.message(c.text, c.finish_reason)
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=chat_logprobs(tokenizer, c.logprobs),
+                finish_reason=finish_reason,
+            )
         )
-        for c in final.outputs
-    ]
     return ChatCompletionResponse(
         id=request_id, created=unix_time(), model=model, choices=choices, usage=call.usage
     )
 
 
-def _reject_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools or body.functions or body.tool_choice not in (None, "none"):
-        raise APIError(400, "tools and function calling are not supported yet", param="tools")
-    if body.response_format and body.response_format.get("type") != "text":
+def _tool_answers(tools, tokenizer) -> ToolAnswers:
+    parser = parser_for_template(tokenizer.chat_template) if tools.mode == "auto" else None
+    return ToolAnswers(tools, parser)
+
+
+def _skip_special_tokens(answers: ToolAnswers) -> bool | None:
+    """Mistral's and Llama 3's call markers are special tokens: keep them in the text."""
+    if answers.parser is not None and answers.parser.family in ("mistral", "llama3_json"):
+        return False
+    return None
+
+
+def _grammar(body: ChatCompletionRequest, tools, compiler):
+    """The grammar of the answer: a forced tool call's, or the structured-output fields'."""
+    asked = requested_grammar(body)
+    forced = tools.grammar()
+    if forced is not None and asked is not None:
         raise APIError(
-            400, "response_format other than text is not supported yet", param="response_format"
+            400,
+            f"{asked[1]} cannot be combined with tool_choice '{tools.mode}' (the answer is "
+            "then the tool call)",
+            param=asked[1],
         )
+    if asked is not None and tools.mode == "auto":
+        raise APIError(
+            400,
+            f"{asked[1]} cannot be combined with tools under tool_choice 'auto' yet: use "
+            "tool_choice 'none', 'required' or a named function",
+            param=asked[1],
+        )
+    if forced is not None:
+        return checked_grammar(compiler, forced, "tools")
+    return None if asked is None else checked_grammar(compiler, *asked)
 
 
 async def _choice_chunks(
-    call: EngineCall, chunk: Callable[..., str], tokenizer, n: int
+    call: EngineCall, chunk: Callable[..., str], tokenizer, n: int, answers: ToolAnswers
 ) -> AsyncGenerator[str, None]:
-    """The role delta of each choice first, then content deltas, and a final chunk with
-    finish_reason per choice."""
+    """The role delta of each choice first, then content deltas (tool calls at the end, whole),
+    and a final chunk with finish_reason per choice."""
     for index in range(n):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    streams = [answers.stream() for _ in range(n)] if answers.active else None
     async for _, delta in call.deltas():
         for c in delta.outputs:
-            if c.text or c.logprobs:
+            text, calls, finish_reason = c.text, None, c.finish_reason
+            if streams is not None:
+                text = streams[c.index].feed(c.text)
+                if finish_reason is not None:
+                    rest, calls, finish_reason = streams[c.index].finish(finish_reason)
+                    text += rest
+            if text or c.logprobs:
+                delta_ = ChatDelta(content=text)
                 yield chunk(
                     [
                         ChatChunkChoice(
                             index=c.index,
-                            delta=ChatDelta(content=c.text),
+                            delta=delta_,
                             logprobs=chat_logprobs(tokenizer, c.logprobs),
                         )
                     ]
                 )
-            if c.finish_reason is not None:
+            if calls:
+                yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(tool_calls=calls))])
+            if finish_reason is not None:
                 yield chunk(
-                    [
-                        ChatChunkChoice(
-                            index=c.index, delta=ChatDelta(), finish_reason=c.finish_reason
-                        )
-                    ]
+                    [ChatChunkChoice(index=c.index, delta=ChatDelta(), finish_reason=finish_reason)]
                 )

@@ -27,6 +27,7 @@ from server.protocol import (
 )
 from server.sampling import completion_sampling_params
 from server.state import StateDep
+from server.structured import checked_grammar, requested_grammar
 
 router = APIRouter(dependencies=[require_api_key])
 
@@ -39,7 +40,9 @@ async def create_completion(body: CompletionRequest, http_request: Request, stat
         raise APIError(400, "suffix is not supported", param="suffix")
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported yet", param="echo")
-    params = completion_sampling_params(body)
+    asked = requested_grammar(body)
+    grammar = None if asked is None else checked_grammar(engine.engine.grammars, *asked)
+    params = completion_sampling_params(body, grammar)
     tokenizer = engine.engine.tokenizer
     prompts = completion_prompts(tokenizer, body)
     state.check_queue(engine)

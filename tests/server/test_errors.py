@@ -127,19 +127,41 @@ def test_prompt_plus_max_tokens_over_the_context(tiny_server) -> None:
 
 
 # ----------------------------------------------------------------- 400: features not supported
-def test_response_format_json_is_not_supported_yet(tiny_server) -> None:
-    body = chat_body(response_format={"type": "json_object"})
-    error = assert_openai_error(tiny_server.post(CHAT, body), 400, param="response_format")
-    assert "not supported yet" in error["message"]
-    # the default text format is fine
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "problem"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}},
+            "response_format",
+            "JSON schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "'xml'"),
+        ({"guided_regex": "(("}, "guided_regex", "unclosed group"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "tool_choice must"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+            "'x', which is not among the tools (tools: weather)",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs at least one tool"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+            "tools.0.function.name",
+            "letters, digits",
+        ),
+    ],
+)
+def test_bad_structured_outputs_and_tools_are_400s(tiny_server, fields, param, problem) -> None:
+    error = assert_openai_error(tiny_server.post(CHAT, chat_body(**fields)), 400, param=param)
+    assert problem in error["message"]
+
+
+def test_text_response_format_is_free_text(tiny_server) -> None:
     assert tiny_server.post(CHAT, chat_body(response_format={"type": "text"})).status_code == 200
-
-
-def test_tools_are_not_supported_yet(tiny_server) -> None:
-    tool = {"type": "function", "function": {"name": "weather", "parameters": {}}}
-    error = assert_openai_error(tiny_server.post(CHAT, chat_body(tools=[tool])), 400, param="tools")
-    assert "not supported yet" in error["message"]
-    assert tiny_server.post(CHAT, chat_body(tool_choice="auto")).status_code == 400
 
 
 def test_non_text_content_parts_are_rejected(tiny_server) -> None:
@@ -331,7 +353,7 @@ def test_invalid_requests_leave_the_server_serving(tiny_server, client) -> None:
         chat_body(temperature=-1),
         chat_body(messages=[{"role": "user", "content": "x" * (TINY_CONTEXT + 10)}]),
         chat_body(model="nope"),
-        chat_body(tools=[{"type": "function", "function": {"name": "f"}}]),
+        chat_body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "f"}}),
         chat_body(n=1000),
         chat_body(stop_token_ids=[10**6]),
         {"prompt": [[]]},

@@ -176,6 +176,33 @@ STREAM_VARIANTS = [
     {"max_tokens": 5, "logprobs": True, "top_logprobs": 2, "temperature": 0},
     {"max_tokens": 5, "stream_options": {"include_usage": True}, "stop": ["e"]},
 ]
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {"key": {"type": "string", "maxLength": 5}},
+            "required": ["key"],
+        },
+    },
+}
+# Structured answers: tool calls (whole, at the end) and a JSON schema answer.
+STRUCTURED_VARIANTS = [
+    {"max_tokens": 60, "tools": [TOOL], "tool_choice": "required", "n": 2, "seed": 2},
+    {
+        "max_tokens": 60,
+        "tools": [TOOL],
+        "tool_choice": {"type": "function", "function": TOOL["function"]},
+    },
+    {
+        "max_tokens": 60,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "k", "schema": TOOL["function"]["parameters"]},
+        },
+    },
+]
 
 
 def stream_violations(server: LiveServer, path: str, bodies: list[dict], schema) -> str:
@@ -197,7 +224,7 @@ def test_chat_stream_chunks(tiny_server) -> None:
             "stream": True,
             **variant,
         }
-        for variant in STREAM_VARIANTS
+        for variant in STREAM_VARIANTS + STRUCTURED_VARIANTS
     ]
     found = stream_violations(
         tiny_server,
@@ -206,6 +233,18 @@ def test_chat_stream_chunks(tiny_server) -> None:
         validator("CreateChatCompletionStreamResponse"),
     )
     assert not found, f"chunks violate CreateChatCompletionStreamResponse:\n{found}"
+
+
+def test_tool_call_and_structured_responses_conform(tiny_server) -> None:
+    validate = validator("CreateChatCompletionResponse")
+    with tiny_server.http() as http:
+        for variant in STRUCTURED_VARIANTS:
+            body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hi"}], **variant}
+            response = http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert violations(validate, response.json()) == [], response.json()
+            if "tools" in variant:
+                assert response.json()["choices"][0]["message"]["tool_calls"]
 
 
 @functools.cache

@@ -1,0 +1,139 @@
+"""End to end on the real default model with its shipped head (speculation on): the SDK's
+`parse()` returns a valid object for each of a set of schemas, JSON mode parses, and forced tool
+calls stream into the same calls as the unstreamed answer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from enum import Enum
+
+import pytest
+from pydantic import BaseModel, Field
+
+from server.cli import DEFAULT_MODEL
+from tests.server.conftest import LiveServer, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+class City(BaseModel):
+    name: str
+    country: str
+
+
+class Step(BaseModel):
+    explanation: str
+    output: str
+
+
+class MathAnswer(BaseModel):
+    steps: list[Step] = Field(max_length=3)
+    final_answer: str
+
+
+class Color(str, Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Palette(BaseModel):
+    title: str
+    colors: list[Color]
+    warm: bool
+    score: float
+
+
+class Event(BaseModel):
+    name: str
+    year: int
+    attendees: list[str]
+    place: City
+
+
+SCHEMAS = {
+    "city": (City, "What is the capital of France?"),
+    "math": (MathAnswer, "Solve 8x + 7 = -23 step by step."),
+    "palette": (Palette, "Describe a palette for a sunset."),
+    "event": (Event, "Describe the first moon landing as an event."),
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def default_server(server_logs) -> Iterator[LiveServer]:
+    server = start_server(DEFAULT_MODEL, server_logs, api_key=None, served_name=None, wait=False)
+    try:
+        server.wait_ready(timeout=240)  # the default model and its head start slowly on a busy box
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("schema", list(SCHEMAS))
+def test_parse_returns_a_valid_object(default_server, schema) -> None:
+    model, question = SCHEMAS[schema]
+    with default_server.client() as client:
+        completion = client.chat.completions.parse(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": question}],
+            response_format=model,
+            temperature=0,
+            max_tokens=400,
+        )
+    (choice,) = completion.choices
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, model)
+
+
+def test_json_mode_parses(default_server) -> None:
+    with default_server.client() as client:
+        response = client.chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": "Give me a JSON object about a cat."}],
+            response_format={"type": "json_object"},
+            temperature=0.7,
+            seed=1,
+            max_tokens=400,
+        )
+    assert isinstance(json.loads(response.choices[0].message.content), dict)
+
+
+def test_streamed_tool_calls_equal_the_unstreamed_answer(default_server) -> None:
+    request = dict(
+        model=DEFAULT_MODEL,
+        messages=[{"role": "user", "content": "What's the weather like in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=100,
+    )
+    with default_server.client() as client:
+        (choice,) = client.chat.completions.create(**request).choices
+        chunks = list(client.chat.completions.create(stream=True, **request))
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert choice.finish_reason == "tool_calls"
+    assert calls and all(name == "get_weather" for name, _ in calls)
+    assert all(args["unit"] in ("celsius", "fahrenheit") for _, args in calls)
+    streamed: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(delta.index, ["", ""])
+            entry[0] += delta.function.name or ""
+            entry[1] += delta.function.arguments or ""
+    assert [(name, json.loads(args)) for name, args in streamed.values()] == calls
