@@ -88,6 +88,27 @@ class Eagle3Spec:
             has_embedding="embed_tokens.weight" in weights,
         )
 
+    @classmethod
+    def for_target(
+        cls, target: ModelSpec, draft_vocab_size: int, feature_layers: tuple[int, ...]
+    ) -> Eagle3Spec:
+        """A new head shaped like one layer of `target`, reading `feature_layers`."""
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=target.hidden_size,
+            feature_layers=tuple(feature_layers),
+            rms_norm_eps=target.rms_norm_eps,
+            qkv_bias=False,
+            norm_before_residual=False,
+            has_embedding=False,
+        )
+
     def config(self) -> dict:
         """The config.json fields of this head (rope fields are the caller's)."""
         return {

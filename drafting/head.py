@@ -65,6 +65,22 @@ class HeadSpec:
             has_embedding="embed_tokens.weight" in weights,
         )
 
+    @classmethod
+    def for_target(cls, target: ModelSpec) -> HeadSpec:
+        """A new head shaped like one layer of `target` (fc with bias, no embedding)."""
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            vocab_size=target.vocab_size,
+            rms_norm_eps=target.rms_norm_eps,
+            fc_bias=True,
+            qkv_bias=False,
+            has_embedding=False,
+        )
+
 
 class EagleHead(nn.Module):
     def __init__(self, spec: HeadSpec, rotary: RotaryEmbedding) -> None:

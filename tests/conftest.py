@@ -120,26 +120,20 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {t: save_tiny_model(root / t, t) for t in ("llama", "mistral", "qwen2", "qwen3")}
 
 
+def _model_spec(target: Path):
+    from engine.execution.models.spec import ModelSpec
+
+    return ModelSpec.from_hf_config(transformers.AutoConfig.from_pretrained(target))
+
+
 def save_random_head(path: Path, target: Path, seed: int = 0) -> Path:
     """A randomly initialised EAGLE head for the tiny model in `target` (acceptance near zero)."""
     from drafting.head import EagleHead, HeadSpec
     from drafting.head_loader import save_head
     from engine.execution.layers.rotary import RotaryEmbedding
 
-    config = transformers.AutoConfig.from_pretrained(target)
     torch.manual_seed(seed)
-    spec = HeadSpec(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.hidden_size // config.num_attention_heads,
-        vocab_size=config.vocab_size,
-        rms_norm_eps=config.rms_norm_eps,
-        fc_bias=True,
-        qkv_bias=False,
-        has_embedding=False,
-    )
+    spec = HeadSpec.for_target(_model_spec(target))
     head = EagleHead(spec, RotaryEmbedding(torch.ones(spec.head_dim // 2), 1.0, 1))
     return save_head(head, path, {"rope_theta": 10000.0}, torch.float32)
 
@@ -153,25 +147,12 @@ def save_random_eagle3_head(
     from drafting.head_loader import save_head
     from engine.execution.layers.rotary import RotaryEmbedding
 
-    config = transformers.AutoConfig.from_pretrained(target)
+    target_spec = _model_spec(target)
     torch.manual_seed(seed)
-    vocab = config.vocab_size
+    vocab = target_spec.vocab_size
     draft_vocab = draft_vocab_size or vocab
-    spec = Eagle3Spec(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.hidden_size // config.num_attention_heads,
-        vocab_size=vocab,
-        draft_vocab_size=draft_vocab,
-        target_hidden_size=config.hidden_size,
-        feature_layers=(0, 1, config.num_hidden_layers - 1),  # vLLM's default needs 6 layers
-        rms_norm_eps=config.rms_norm_eps,
-        qkv_bias=False,
-        norm_before_residual=False,
-        has_embedding=False,
-    )
+    layers = (0, 1, target_spec.num_layers - 1)  # vLLM's default needs 6 layers
+    spec = Eagle3Spec.for_target(target_spec, draft_vocab, layers)
     head = Eagle3Head(spec, RotaryEmbedding(torch.ones(spec.head_dim // 2), 1.0, 1))
     target_ids = (torch.arange(draft_vocab) + (vocab - draft_vocab)) % vocab  # [V_draft]
     head.d2t.copy_(target_ids - torch.arange(draft_vocab))

@@ -4,9 +4,9 @@ as many sessions as it takes.
 Round r distils the target's answers until the data holds `rounds[r]` conversations
 (`distill-data`), trains a head on all of them starting from the previous round's (`train-head`),
 and measures it on the dev set per category and tree shape. Every stage resumes where it stopped:
-distillation after its last complete record, feature caching after its last shard, training from
-its last checkpoint (every `checkpoint_every` optimizer steps, a minute or two on two cores), and
-a round's measurement is redone if it was cut short. The learning curve, one record per finished
+distillation after the records already written, feature caching after its last shard, training
+from its last checkpoint (every `checkpoint_every` optimizer steps), and a round's measurement is
+redone if it was cut short. The learning curve, one record per finished
 round, is `OUT/head_training.json`; `OUT/best-head` is the head of the round that measured best.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from drafting.training.dev_set import read_dev_set
 from drafting.training.distill import DistillConfig, distill
-from drafting.training.evaluation import DEFAULT_TREE, acceptance_lengths
+from drafting.training.evaluation import DEFAULT_TREE, acceptance_lengths, shape_name
 from drafting.training.trainer import TrainConfig, train_head
 from engine.errors import AerieError
 
@@ -131,5 +131,5 @@ def _log_lines(folder: Path) -> list[str]:
 
 def _keep_best(out: Path, curve: list[dict]) -> None:
     """Copy the head of the round with the best dev-set acceptance (default tree) to best-head."""
-    best = max(curve, key=lambda r: r["acceptance_length"][DEFAULT_TREE.name]["all"])
+    best = max(curve, key=lambda r: r["acceptance_length"][shape_name(DEFAULT_TREE)]["all"])
     shutil.copytree(best["head"], out / "best-head", dirs_exist_ok=True)

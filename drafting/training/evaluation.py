@@ -3,27 +3,22 @@ every step (no draft budget), greedy, so the figure is the head's, not the budge
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+from drafting.eagle_drafter import TreeShape
 from drafting.training.dev_set import CATEGORIES
+from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling.sampling_params import SamplingParams
 
-
-@dataclass(frozen=True)
-class TreeShape:
-    top_k: int
-    depth: int
-    total_tokens: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.top_k}x{self.depth}/{self.total_tokens}"
-
-
-DEFAULT_TREE = TreeShape(4, 2, 4)  # the engine's default (engine/config.py)
+DEFAULT_TREE = TreeShape(
+    EngineConfig.draft_top_k, EngineConfig.draft_depth, EngineConfig.draft_total_tokens
+)
 LARGE_TREE = TreeShape(8, 6, 32)
+
+
+def shape_name(shape: TreeShape) -> str:
+    return f"{shape.top_k}x{shape.depth}/{shape.total_tokens}"
 
 
 def acceptance_lengths(
@@ -55,5 +50,5 @@ def acceptance_lengths(
             for key in (record["category"], "all"):
                 by_category[key][0] += tokens
                 by_category[key][1] += output.metrics.num_decode_steps
-        results[shape.name] = {k: t / p for k, (t, p) in by_category.items() if p}
+        results[shape_name(shape)] = {k: t / p for k, (t, p) in by_category.items() if p}
     return results

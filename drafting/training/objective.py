@@ -22,6 +22,7 @@ most of the training cost saved: the full lm_head is several times the head itse
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,7 +110,7 @@ class _DraftScorer:
     """Logits over the draft vocabulary: the head's, from its predicted features, and the
     target's, from its own final hidden states (the target's lm_head rows of that vocabulary)."""
 
-    head_logits: object  # [M, hidden] -> [M, V_draft]
+    head_logits: Callable[[torch.Tensor], torch.Tensor]  # [M, hidden] -> [M, V_draft]
     target_weight: torch.Tensor  # [V_draft, hidden]
 
 

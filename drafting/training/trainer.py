@@ -236,49 +236,20 @@ class HeadTrainer:
         draft_vocab = frequent_tokens(examples, size, vocab) if size else None
         if self.config.arch == "eagle3":
             return self._new_eagle3_head(rotary, draft_vocab).to(device).train()
-        head = EagleHead(self._eagle_spec(), rotary)
+        head = EagleHead(HeadSpec.for_target(self.llm.engine.spec), rotary)
         head.draft_vocab = draft_vocab
         return head.to(device).train()
 
     def _new_eagle3_head(self, rotary, draft_vocab: torch.Tensor | None) -> Eagle3Head:
         spec = self.llm.engine.spec
         vocab = draft_vocab if draft_vocab is not None else torch.arange(spec.vocab_size)
-        head_spec = Eagle3Spec(
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            vocab_size=spec.vocab_size,
-            draft_vocab_size=len(vocab),
-            target_hidden_size=spec.hidden_size,
-            feature_layers=self.target.feature_layers,
-            rms_norm_eps=spec.rms_norm_eps,
-            qkv_bias=False,
-            norm_before_residual=False,
-            has_embedding=False,
-        )
+        head_spec = Eagle3Spec.for_target(spec, len(vocab), self.target.feature_layers)
         head = Eagle3Head(head_spec, rotary)
         with torch.no_grad():  # start from the target's lm_head rows of the draft vocabulary
             head.lm_head.weight.copy_(self.target.lm_head.weight[vocab])
             head.norm.weight.copy_(self.target.norm.weight)
         head.d2t.copy_(vocab - torch.arange(len(vocab)))
         return head
-
-    def _eagle_spec(self) -> HeadSpec:
-        spec = self.llm.engine.spec
-        return HeadSpec(
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            vocab_size=spec.vocab_size,
-            rms_norm_eps=spec.rms_norm_eps,
-            fc_bias=True,
-            qkv_bias=False,
-            has_embedding=False,
-        )
 
     def _initial_head(self, path: str) -> DraftHead:
         """A trainable copy of the head in `path`, checked against the target like any head."""
