@@ -1,10 +1,13 @@
 """Serving throughput and latency under load: Aerie with speculation, without, and transformers.
 
-One run, side by side, on the default model (smollm2-135m-instruct, fp32), MT-bench first turns,
-greedy, `--max-tokens` new tokens per request (EOS ignored, so every configuration emits the same
-number of tokens), over a concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
+One run, side by side, on the default model (smollm2-135m-instruct, fp32), MT-bench first turns
+(or `--prompts FILE [--category C]`, e.g. the dev set's code prompts), greedy, `--max-tokens` new
+tokens per request (EOS ignored, so every configuration emits the same number of tokens), over a
+concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
 
-* `aerie-spec`: `aerie serve` with the shipped EAGLE head and the adaptive draft budget (default);
+* `aerie-spec`: `aerie serve` with the shipped EAGLE head and the draft controller (default);
+* `aerie-spec-useless`: the same with a useless head (the shipped head's shape, random weights,
+  benchmarks/random_head.py): what speculation costs when drafts never pay;
 * `aerie-spec-fixed-tree`: the same head verifying whole trees every step, as published engines do
   (`--no-adaptive-draft-budget`): what the adaptive budget protects against under load;
 * `aerie-ar`: `aerie serve --draft none`;
@@ -21,6 +24,9 @@ root:
     .venv/bin/python benchmarks/bench_serve.py                              # the full sweep
     .venv/bin/python benchmarks/bench_serve.py --concurrency 1,4 --max-tokens 16 \\
         --out /tmp/serve.json                                               # a smoke test
+    .venv/bin/python benchmarks/bench_serve.py --configs aerie-spec,aerie-spec-useless,aerie-ar \\
+        --concurrency 1,4,16,32 --prompts benchmarks/data/dev_set.jsonl --category code \\
+        --out benchmarks/results/serve_controller_code.json       # the draft controller, on code
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from pathlib import Path
 import httpx
 import torch
 import transformers
+from random_head import useless_head
 from tqdm import tqdm
 
 from engine.execution.model_files import resolve_model_path
@@ -48,8 +55,10 @@ from server.serving_benchmark import BenchConfig, load_prompts, merge_results, r
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
+USELESS_HEAD = REPO_ROOT / "runs" / "useless-head"
 SERVERS = {
     "aerie-spec": ["--draft", "auto"],
+    "aerie-spec-useless": ["--draft", str(USELESS_HEAD)],
     "aerie-spec-fixed-tree": ["--draft", "auto", "--no-adaptive-draft-budget"],
     "aerie-ar": ["--draft", "none"],
     "aerie-spec-compiled": ["--draft", "auto", "--enable-torch-compile"],
@@ -78,6 +87,8 @@ def main() -> None:
 def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
     """Every Aerie configuration up at once (idle servers sleep); each concurrency level runs
     against each in turn, so a slow spell of this shared machine hits them alike."""
+    if "aerie-spec-useless" in labels:
+        useless_head(MODEL, USELESS_HEAD)
     with contextlib.ExitStack() as stack:
         urls = {
             label: stack.enter_context(running_server(SERVERS[label], args.extra_server_args))
@@ -102,6 +113,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompts", default=str(QUESTIONS), help="JSONL (aerie bench serve's)")
+    parser.add_argument("--category", default=None, help="only the prompts of this category")
     parser.add_argument(
         "--num-prompts",
         type=int,
@@ -123,7 +136,8 @@ def parse_args() -> argparse.Namespace:
 def bench_config(args, levels, base_url: str, label: str) -> BenchConfig:
     return BenchConfig(
         base_url=base_url,
-        prompts=QUESTIONS,
+        prompts=Path(args.prompts),
+        category=args.category,
         concurrency=levels,
         max_tokens=args.max_tokens,
         num_prompts=args.num_prompts or max(8, args.prompts_per_client * max(levels)),
@@ -179,7 +193,7 @@ def transformers_sweep(args, levels) -> dict:
     path = resolve_model_path(MODEL)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    conversations = load_prompts(QUESTIONS)
+    conversations = load_prompts(Path(args.prompts), args.category)
     results = []
     for concurrency in levels:
         total = args.num_prompts or max(8, 2 * concurrency)  # throughput only: fewer suffice

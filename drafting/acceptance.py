@@ -2,17 +2,16 @@
 
 At each node, p is the target's distribution for the next token (every sampling setting applied,
 penalties conditioned on the node's own path). The walk draws the token the target emits at that
-position exactly as plain decoding draws it: by the exponential race argmax(p / E), with E fresh
-exponential noise over the vocabulary from the request's own generator (`sample_from` in
-sampling/logits_processing.py). If a child of the node carries that token, the child is accepted
-and the walk descends into it; otherwise that token is the bonus and the walk ends (at a leaf,
-always).
+position exactly as plain decoding draws it: one uniform draw from the request's own generator,
+inverted through p's cumulative distribution (`sample_from` in sampling/logits_processing.py). If
+a child of the node carries that token, the child is accepted and the walk descends into it;
+otherwise that token is the bonus and the walk ends (at a leaf, always).
 
 Every emitted token is therefore a draw from p, whatever the drafts: the draft changes speed,
 never the output. A child is accepted with probability p(child), and one of a node's children
 with probability sum(p(children)), exactly as with the rule of accepting each child in turn with
 probability p(x) / (mass left) and sampling the bonus from the residual; so acceptance is as high
-as it can be. Because the walk consumes one noise draw per emitted token, in order, as plain
+as it can be. Because the walk consumes one uniform draw per emitted token, in order, as plain
 decoding does, a seeded request gives the same tokens with speculation as without, whatever the
 trees' shapes (which the draft budget sizes from timings) and whatever else shares the batch. For
 greedy requests p is one-hot: "accept the child equal to the target's argmax".

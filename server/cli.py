@@ -151,6 +151,7 @@ def _add_bench(commands) -> None:
     )
     cmd.add_argument("--base-url", default="http://127.0.0.1:8000")
     cmd.add_argument("--prompts", required=True, help="JSONL: messages, prompt or MT-bench turns")
+    cmd.add_argument("--category", default=None, help="only the prompts of this category")
     cmd.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated levels")
     cmd.add_argument("--max-tokens", type=int, default=128)
     cmd.add_argument(
@@ -249,6 +250,7 @@ def _bench_serve(args: argparse.Namespace) -> None:
     config = BenchConfig(
         base_url=args.base_url,
         prompts=Path(args.prompts),
+        category=args.category,
         concurrency=levels,
         max_tokens=args.max_tokens,
         num_prompts=args.num_prompts,

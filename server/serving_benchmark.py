@@ -33,6 +33,7 @@ from engine.errors import AerieError
 class BenchConfig:
     base_url: str
     prompts: Path
+    category: str | None = None  # only the prompts of this "category" (e.g. the dev set's "code")
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     max_tokens: int = 128
     num_prompts: int = 0  # per level; 0: max(8, 4 * concurrency)
@@ -55,14 +56,16 @@ class RequestRecord:
     error: str = ""
 
 
-def load_prompts(path: Path) -> list[list[dict]]:
+def load_prompts(path: Path, category: str | None = None) -> list[list[dict]]:
     """Chat messages per line of a JSONL: {"messages": [...]}, {"prompt": "..."} or MT-bench's
-    {"turns": [...]} (its first turn)."""
+    {"turns": [...]} (its first turn); with `category`, only the lines whose "category" it is."""
     prompts = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         record = json.loads(line)
+        if category is not None and record.get("category") != category:
+            continue
         if "messages" in record:
             prompts.append(record["messages"])
         elif "prompt" in record:
@@ -72,7 +75,7 @@ def load_prompts(path: Path) -> list[list[dict]]:
         else:
             raise AerieError(f"{path}:{number}: expected 'messages', 'prompt' or 'turns'")
     if not prompts:
-        raise AerieError(f"{path}: no prompts")
+        raise AerieError(f"{path}: no prompts" + (f" of category {category!r}" if category else ""))
     return prompts
 
 
@@ -84,7 +87,7 @@ def run_benchmark(config: BenchConfig) -> dict:
 async def _sweep(config: BenchConfig) -> dict:
     import httpx
 
-    prompts = load_prompts(config.prompts)
+    prompts = load_prompts(config.prompts, config.category)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=max(config.concurrency) + 4)
     timeout = httpx.Timeout(config.max_duration + 600.0)

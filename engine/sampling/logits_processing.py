@@ -112,19 +112,27 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 
 def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row [N] from probs [N, vocab], by the exponential race argmax(p / E).
+    """One token per row [N] from probs [N, vocab] (rows need not sum to one), by inverting each
+    row's cumulative distribution at one uniform draw.
 
     A row with its own generator draws only from it, so a seeded request samples the same tokens
-    whatever else shares the batch.
+    whatever else shares the batch. One draw per row (not one per vocabulary entry) keeps sampling
+    a small part of a step even at large batches.
     """
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
-        noise.exponential_()
-    else:
-        for i, generator in enumerate(generators):
-            noise[i].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    uniforms = torch.empty(len(generators), dtype=torch.float64, device=probs.device)  # [N]
+    uniforms.uniform_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[i] = torch.rand(
+                (), generator=generator, dtype=torch.float64, device=probs.device
+            )
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [N, vocab]
+    total = cdf[:, -1:]  # [N, 1]
+    # Strictly below the total, so some entry of the cdf exceeds the point, and the first that does
+    # belongs to a token of positive probability.
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    points = torch.minimum(uniforms[:, None] * total, below_total)  # [N, 1]
+    return torch.searchsorted(cdf, points, right=True).squeeze(-1)
 
 
 def token_logprobs(

@@ -1,6 +1,6 @@
 """A seeded request samples the same tokens with speculation as without.
 
-The acceptance walk draws each emitted token as plain decoding does (one exponential race per
+The acceptance walk draws each emitted token as plain decoding does (one uniform draw per
 position, from the request's own generator), so neither the drafts, nor the trees' sizes (which
 the adaptive draft budget picks from wall-clock timings), nor the rest of the batch can change a
 seeded request's output. The distribution itself is checked in test_lossless_sampling.py.

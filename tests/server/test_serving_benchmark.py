@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from engine.errors import AerieError
 from server.serving_benchmark import RequestRecord, load_prompts, summarize
 from tests.server.conftest import API_KEY
 
@@ -45,6 +46,22 @@ def test_prompt_files_in_three_shapes(tmp_path):
         [{"role": "user", "content": "plain"}],
         lines[2]["messages"],
     ]
+
+
+def test_prompts_of_one_category(tmp_path):
+    path = tmp_path / "dev_set.jsonl"
+    lines = [
+        {"category": "code", "prompt": "Write a sort."},
+        {"category": "writing", "prompt": "Write a poem."},
+        {"category": "code", "prompt": "Fix this loop."},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert load_prompts(path, "code") == [
+        [{"role": "user", "content": "Write a sort."}],
+        [{"role": "user", "content": "Fix this loop."}],
+    ]
+    with pytest.raises(AerieError, match="no prompts of category 'math'"):
+        load_prompts(path, "math")
 
 
 def test_a_sweep_against_a_live_server(tiny_server, tmp_path):
