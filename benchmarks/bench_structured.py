@@ -4,8 +4,8 @@ side by side with unconstrained requests, in one run.
 
 Grammar work is every call into the matcher and every mask applied (timed by wrapping those
 functions, nested calls counted once). Batch 1 answers the questions one at a time; batch 16 runs
-them four times over at once. Both engines are loaded up front and every configuration runs
-against both in turn, `--rounds` times, so a slow spell of this shared machine hits them alike.
+16 of them at once. Both engines are loaded up front and every configuration runs against both in
+turn, `--rounds` times, so a slow spell of this shared machine hits them alike.
 Run from the repository root with background jobs paused (SIGSTOP):
 `python benchmarks/bench_structured.py` -> benchmarks/results/structured.json and structured.png.
 """
@@ -40,6 +40,14 @@ QUESTIONS = [
     "Give me a JSON profile of a famous painter.",
     "Describe a teacher who lives in Tokyo, in JSON.",
     "Create a JSON record for a football player.",
+    "Return a JSON object describing a nurse from Lagos.",
+    "Write JSON for a fictional chef and their specialities.",
+    "Describe a retired pilot in JSON format.",
+    "Output a JSON profile of a young violinist from Vienna.",
+    "Give a JSON description of a data scientist who works remotely.",
+    "Produce a JSON entry for a marathon runner.",
+    "Describe a librarian from Dublin as a JSON object.",
+    "Make a JSON record of an architect in Barcelona.",
 ]
 
 
@@ -116,14 +124,13 @@ def main() -> None:
     tokenizer = llms["none"].get_tokenizer()
     prompts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
         )
         for q in QUESTIONS
     ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
     totals: dict[str, dict] = {}
     for _ in range(args.rounds):
-        for batch, batch_prompts in ((1, prompts), (16, prompts * 4)):
+        for batch, batch_prompts in ((1, prompts), (16, (prompts * 2)[:16])):
             for structured in (True, False):
                 for draft, llm in llms.items():
                     kind = "json_schema" if structured else "free"

@@ -214,9 +214,12 @@ class EagleDrafter:
     ):
         """EAGLE-2 expansion and reranking for B sequences at once."""
         k, batch = self.shape.top_k, len(items)
-        root_allowed = self._allowed_drafts(items, lambda b: [[]])  # [B, 1, V] or None
+        root_allowed, root_forced = self._allowed_drafts(items, lambda b: [[]])  # [B, 1, V]
         candidates = Candidates.first_layer(
-            self._draft_logprobs(root_features, _rows(root_allowed)), k, self.draft_vocab
+            self._draft_logprobs(root_features, _rows(root_allowed)),
+            k,
+            self.draft_vocab,
+            None if root_forced is None else root_forced[:, 0],
         )
         sources = root_features[:, None, :].expand(-1, k, -1)  # [B, M, hidden] drafting feature
         depths = [self._depth_for(item.num_lookahead) for item in items]
@@ -225,14 +228,17 @@ class EagleDrafter:
             active = [b for b in range(batch) if depths[b] > layer]
             chosen = candidates.newest_layer_best(k)  # [B, k] candidate indices
             out = self._expand(items, active, layer, candidates, chosen, sources, rows)
-            allowed = self._allowed_drafts(
+            allowed, forced = self._allowed_drafts(
                 items, functools.partial(_chosen_paths, candidates, chosen)
-            )  # [B, k, V] or None
+            )  # [B, k, V] and [B, k], or None
             logprobs = torch.full((batch, k, self.draft_vocab_size), -torch.inf, device=self.device)
             active_allowed = None if allowed is None else _rows(allowed[active])
             logprobs[active] = self._draft_logprobs(out, active_allowed).view(len(active), k, -1)
             # children of inactive rows: -inf
-            candidates.add_children(chosen, logprobs, k, self.draft_vocab)
+            if forced is not None:
+                inactive = [b for b in range(batch) if depths[b] <= layer]
+                forced[inactive] = -1
+            candidates.add_children(chosen, logprobs, k, self.draft_vocab, forced)
             children_sources = out.new_zeros(batch, k, k, out.shape[-1])
             children_sources[active] = out.view(len(active), k, 1, -1).expand(-1, -1, k, -1)
             sources = torch.cat([sources, children_sources.flatten(1, 2)], dim=1)
@@ -288,22 +294,32 @@ class EagleDrafter:
         logprobs = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
         return torch.where(allowed.any(dim=-1, keepdim=True), logprobs, float("-inf"))
 
-    def _allowed_drafts(self, items: list[ScheduledSequence], paths) -> torch.Tensor | None:
-        """[B, P, V] bool: the draft tokens each sequence's grammar allows after each of its P
-        draft paths (`paths(b)`: lists of tokens after the root); True throughout for
-        unconstrained sequences; None when no sequence is constrained."""
+    def _allowed_drafts(
+        self, items: list[ScheduledSequence], paths
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """What each sequence's grammar allows after each of its P draft paths (`paths(b)`: lists
+        of tokens after the root): [B, P, V] bool over the draft vocabulary (True throughout for
+        unconstrained sequences), and [B, P] the token it forces there (-1: none), which is
+        drafted with certainty, in the draft vocabulary or not. (None, None) when no sequence is
+        constrained."""
         constrained = [b for b, item in enumerate(items) if item.seq.grammar is not None]
         if not constrained:
-            return None
-        masks = {b: items[b].seq.grammar.bitmasks_along(paths(b)) for b in constrained}
+            return None, None
         vocab = items[constrained[0]].seq.grammar.vocab_size
-        num_paths = len(next(iter(masks.values())))
+        num_paths = len(paths(constrained[0]))
         allowed = torch.ones(len(items), num_paths, vocab, dtype=torch.bool)
-        for b, bitmask in masks.items():
-            allowed[b] = unpack_bitmask(bitmask, vocab)  # [P, vocab]
+        forced = torch.full((len(items), num_paths), -1, dtype=torch.long)
+        for b in constrained:
+            grammar, seq_paths = items[b].seq.grammar, paths(b)
+            allowed[b] = unpack_bitmask(grammar.bitmasks_along(seq_paths), vocab)  # [P, vocab]
+            forced[b] = torch.tensor(grammar.forced_along(seq_paths))
+        only = allowed.to(torch.uint8).argmax(dim=-1)  # [B, P] the first allowed token
+        forced = torch.where(allowed.sum(dim=-1) == 1, only, forced)  # a lone allowed token
+        is_allowed = allowed.gather(-1, forced.clamp(min=0)[..., None])[..., 0]  # [B, P]
+        forced = torch.where(is_allowed, forced, -1)
         if self.draft_vocab is not None:
             allowed = allowed[:, :, self.draft_vocab.cpu()]  # [B, P, V_draft]
-        return allowed.to(self.device)
+        return allowed.to(self.device), forced.to(self.device)
 
     def _depth_for(self, room: int) -> int:
         """Draft layers that fit in `room` scratch entries (the head's rows and the nodes)."""

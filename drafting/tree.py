@@ -30,12 +30,19 @@ class Candidates:
 
     @classmethod
     def first_layer(
-        cls, logprobs: torch.Tensor, top_k: int, vocab: torch.Tensor | None = None
+        cls,
+        logprobs: torch.Tensor,
+        top_k: int,
+        vocab: torch.Tensor | None = None,
+        forced: torch.Tensor | None = None,
     ) -> Candidates:
         """Layer 1 from the root's draft log-probabilities [B, V]. With a reduced draft
-        vocabulary, `vocab` [V] maps draft indices to target token ids."""
+        vocabulary, `vocab` [V] maps draft indices to target token ids. `forced` [B]: the one
+        token a grammar allows at the root (-1: none), drafted with certainty, in the draft
+        vocabulary or not."""
         values, tokens = logprobs.topk(top_k, dim=-1)  # [B, k]
         tokens = tokens if vocab is None else vocab[tokens]
+        tokens, values = _with_forced(tokens, values, forced)
         parents = torch.full_like(tokens, ROOT)
         return cls(tokens, values, parents, torch.ones_like(tokens))
 
@@ -60,12 +67,15 @@ class Candidates:
         logprobs: torch.Tensor,
         top_k: int,
         vocab: torch.Tensor | None = None,
+        forced: torch.Tensor | None = None,
     ) -> None:
         """Score the `top_k` children of each expanded node. parents: [B, k] candidate indices;
-        logprobs: [B, k, V], the draft distributions at those nodes; vocab as in first_layer."""
+        logprobs: [B, k, V], the draft distributions at those nodes; vocab as in first_layer;
+        forced: [B, k] as in first_layer, for each expanded node."""
         batch, width = parents.shape
         child_lp, child_tokens = logprobs.topk(top_k, dim=-1)  # [B, k, top_k]
         child_tokens = child_tokens if vocab is None else vocab[child_tokens]
+        child_tokens, child_lp = _with_forced(child_tokens, child_lp, forced)
         parent_values = self.values.gather(1, parents)  # [B, k]
         values = (parent_values[:, :, None] + child_lp).reshape(batch, width * top_k)
         parent_idx = parents[:, :, None].expand(-1, -1, top_k).reshape(batch, width * top_k)
@@ -74,6 +84,21 @@ class Candidates:
         self.values = torch.cat([self.values, values], dim=1)
         self.parents = torch.cat([self.parents, parent_idx], dim=1)
         self.depths = torch.cat([self.depths, depth.reshape(batch, -1)], dim=1)
+
+
+def _with_forced(
+    tokens: torch.Tensor, logprobs: torch.Tensor, forced: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where `forced` [...] names a token (>= 0), it becomes the only child: the first of the
+    top-k [..., k] with log-probability 0, the others -inf."""
+    if forced is None:
+        return tokens, logprobs
+    is_forced = forced >= 0  # [...]
+    tokens, logprobs = tokens.clone(), logprobs.clone()
+    tokens[..., 0] = torch.where(is_forced, forced, tokens[..., 0])
+    logprobs[..., 0] = torch.where(is_forced, 0.0, logprobs[..., 0])
+    logprobs[..., 1:] = logprobs[..., 1:].masked_fill(is_forced[..., None], float("-inf"))
+    return tokens, logprobs
 
 
 def rerank(candidates: Candidates, roots: list[int], num_keep: list[int]) -> list[DraftTree]:

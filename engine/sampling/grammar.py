@@ -206,6 +206,18 @@ class GrammarMatcher:
             self.rollback(consumed)
         return masks
 
+    def forced_along(self, paths: list[list[int]]) -> list[int]:
+        """After each path of tokens from here, the next token of what the grammar forces
+        (literal keys, punctuation, in the tokenizer's own tokenization), or -1 where it forces
+        nothing or forbids the path. Leaves the matcher where it was."""
+        forced = []
+        for path in paths:
+            consumed = self.advance(path)
+            tokens = self._matcher.compute_ff_tokens() if consumed == len(path) else []
+            forced.append(tokens[0] if tokens else -1)
+            self.rollback(consumed)
+        return forced
+
 
 def num_bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32

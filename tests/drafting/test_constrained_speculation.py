@@ -156,3 +156,19 @@ def test_constrained_speculative_sampling_keeps_the_masked_distribution(small_vo
         key = tuple(output.outputs[0].token_ids[:NUM_TOKENS])
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_p_value(counts, expected) > 0.001
+
+
+def test_tokens_the_grammar_forces_are_drafted_outside_the_draft_vocabulary(
+    bigram_target, random_eagle3_head
+):
+    """The head's draft vocabulary lacks uppercase letters and '-' (target ids below 64), so only
+    the grammar can draft "ABC-ABC-ABC-": each of those tokens is the one it allows, certain to
+    be accepted, and drafted whatever the head says."""
+    spec = GrammarSpec("regex", r"(ABC-){3}(yes|no)\.")
+    prompts = mixed_prompts(4, seed=3)
+    greedy = dict(temperature=0)
+    plain, _ = generate(bigram_target, None, spec, greedy, prompts)
+    speculative, outputs = generate(bigram_target, random_eagle3_head, spec, greedy, prompts)
+    assert speculative == plain
+    # of the 11 forced tokens after the first 'A' (sampled by the prefill), the steps accept most
+    assert all(o.metrics.num_accepted_tokens >= 8 for o in outputs)

@@ -142,3 +142,18 @@ def test_batched_rerank_matches_one_at_a_time():
         )
         (alone,) = rerank(single, roots=[b + 1], num_keep=[[5, 8, 1][b]])
         assert alone == together[b]
+
+
+def test_a_token_the_grammar_forces_is_the_only_child_even_outside_the_draft_vocabulary():
+    vocab = torch.tensor([10, 11, 12, 13])  # draft index -> target id; 99 is not drafted
+    root = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]]), -1)
+    candidates = Candidates.first_layer(root, 2, vocab, forced=torch.tensor([99, -1]))
+    assert candidates.tokens.tolist() == [[99, 11], [10, 11]]
+    assert candidates.values[0].tolist() == [0.0, float("-inf")]  # certain, and alone
+    assert torch.equal(candidates.values[1], root[1].topk(2).values)  # unconstrained: as drafted
+    chosen = candidates.newest_layer_best(2)
+    children = torch.log_softmax(torch.randn(2, 2, 4), -1)
+    candidates.add_children(chosen, children, 2, vocab, forced=torch.tensor([[98, -1], [-1, -1]]))
+    (tree, _) = rerank(candidates, roots=[0, 0], num_keep=[2, 2])
+    assert tree.tokens == [0, 99, 98]  # the forced chain, each node certain
+    assert tree.values == [0.0, 0.0, 0.0]

@@ -130,3 +130,20 @@ def test_compiled_grammars_are_cached_per_spec(llm):
 def test_min_tokens_with_a_grammar_is_refused():
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured=GrammarSpec("json_object"))
+
+
+def test_forced_tokens_follow_the_grammar_and_leave_the_matcher_in_place(tiny_models):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_models["llama"])
+    compiled = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    matcher = compiled.compile(GrammarSpec("regex", r"ID-(ab|cd)!")).matcher()
+    ids = {ch: tokenizer.convert_tokens_to_ids(ch) for ch in "ID-abc!"}
+    paths = [
+        [],
+        [ids["I"]],
+        [ids["I"], ids["D"], ids["-"]],
+        [ids["I"], ids["D"], ids["-"], ids["a"]],
+    ]
+    paths.append([ids["!"]])  # forbidden: forces nothing
+    forced = matcher.forced_along(paths)
+    assert forced == [ids["I"], ids["D"], -1, ids["b"], -1]  # after "ID-" the choice is open
+    assert matcher.forced_along([[]]) == [ids["I"]]  # the matcher stayed at the start
