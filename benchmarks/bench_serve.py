@@ -16,7 +16,8 @@ concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
   `min_new_tokens` = `max_new_tokens`), throughput only (it is not a server).
 
 The Aerie servers run at once, idle but for the one being measured: each concurrency level runs
-against each configuration in turn, so a slow spell of this shared machine hits them alike.
+against each configuration in turn (`--rounds` times, the order flipping each round, the rounds
+pooled), so a slow spell of this shared machine hits them alike.
 transformers runs after them, in this process. Results merge into
 benchmarks/results/serve.json (with the ratios to AR per level) and serve.png. From the repository
 root:
@@ -86,7 +87,8 @@ def main() -> None:
 
 def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
     """Every Aerie configuration up at once (idle servers sleep); each concurrency level runs
-    against each in turn, so a slow spell of this shared machine hits them alike."""
+    against each in turn, `--rounds` times in alternating order, so a slow spell of this shared
+    machine hits them alike."""
     if "aerie-spec-useless" in labels:
         useless_head(MODEL, USELESS_HEAD)
     with contextlib.ExitStack() as stack:
@@ -96,17 +98,49 @@ def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
         }
         for label, url in urls.items():  # warm-up: the first requests of a process run slower
             run_benchmark(replace(bench_config(args, (1,), url, label), num_prompts=2))
-        results = {label: None for label in labels}
+        rounds = {label: [] for label in labels}  # per label: per level, each round's result
         for concurrency in levels:
-            for label, url in urls.items():
-                result = run_benchmark(bench_config(args, (concurrency,), url, label))
-                if results[label] is None:
-                    results[label] = result
-                else:
-                    results[label]["levels"] += result["levels"]
-    for result in results.values():
-        result["settings"]["concurrency"] = list(levels)
-    return list(results.values())
+            per_level = {label: [] for label in labels}
+            for round_index in range(args.rounds):  # the order flips each round: drift hits both
+                order = list(urls.items()) if round_index % 2 == 0 else list(urls.items())[::-1]
+                for label, url in order:
+                    result = run_benchmark(bench_config(args, (concurrency,), url, label))
+                    per_level[label].append(result)
+            for label, results in per_level.items():
+                rounds[label].append(results)
+    return [_combined(per_level, levels) for per_level in rounds.values()]
+
+
+def _combined(per_level: list[list[dict]], levels) -> dict:
+    """One result per label: each level's rounds pooled (tokens and seconds summed, mean latencies
+    weighted by requests), with the rounds' own figures kept under "rounds"."""
+    first = per_level[0][0]
+    first["settings"]["concurrency"] = list(levels)
+    return {
+        **first,
+        "levels": [_pooled([r["levels"][0] for r in results]) for results in per_level],
+    }
+
+
+def _pooled(rounds: list[dict]) -> dict:
+    completed = sum(r["completed"] for r in rounds)
+    seconds = sum(r["duration_s"] for r in rounds)
+    tokens = sum(r["output_tokens"] for r in rounds)
+    pooled = {
+        "concurrency": rounds[0]["concurrency"],
+        "completed": completed,
+        "failed": sum(r["failed"] for r in rounds),
+        "duration_s": seconds,
+        "output_tokens": tokens,
+        "request_throughput": completed / seconds,
+        "output_throughput": tokens / seconds,
+        "rounds": rounds,
+    }
+    for name in ("mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2e_ms"):
+        values = [(r[name], r["completed"]) for r in rounds if r.get(name) is not None]
+        if values:  # p99 ITL: the rounds' p99s weighted alike, a summary for the plot
+            pooled[name] = sum(v * n for v, n in values) / sum(n for _, n in values)
+    return pooled
 
 
 def parse_args() -> argparse.Namespace:
@@ -122,6 +156,9 @@ def parse_args() -> argparse.Namespace:
         help="per level; 0: max(8, P x C) with P = --prompts-per-client (transformers: 2 x C)",
     )
     parser.add_argument("--prompts-per-client", type=int, default=4)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of each level against each server, pooled"
+    )
     parser.add_argument("--configs", default=",".join([*SERVERS, "transformers"]))
     parser.add_argument("--extra-server-args", default="", help="added to every aerie serve")
     parser.add_argument(
