@@ -17,7 +17,7 @@ slice (`HOLDOUT_EVERY`) is skipped, as are conversations whose first turn does n
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -86,18 +86,27 @@ def distill(config: DistillConfig) -> Path:
     sources = (s for s in _training_conversations(config) if s[0] not in written)
     total = config.max_conversations
     bar = tqdm(total=total, initial=done, desc="distilling", unit="conversation")
+    # conversations complete in bursts (every turn of one must finish): the tokens show progress
+    tokens = tqdm(desc="answer tokens", unit="token", position=1, mininterval=30)
     with out.open("a") as file:
-        for record in islice(_answers(llm, sources, config), max(total - done, 0)):
+        for record in islice(_answers(llm, sources, config, tokens.update), max(total - done, 0)):
             file.write(record)
             file.flush()
             bar.update()
+    tokens.close()
     bar.close()
     return out
 
 
-def _answers(llm: LLM, sources: Iterable[tuple[int, list[Message]]], config: DistillConfig):
+def _answers(
+    llm: LLM,
+    sources: Iterable[tuple[int, list[Message]]],
+    config: DistillConfig,
+    count_tokens: Callable[[int], object] = lambda n: None,
+):
     """JSONL records of the replayed conversations, each as soon as it is complete. Twice
-    `max_num_seqs` conversations are kept in flight, so a finished one's slot is taken at once."""
+    `max_num_seqs` conversations are kept in flight, so a finished one's slot is taken at once.
+    `count_tokens` hears how many answer tokens each engine step generated."""
     engine = llm.engine
     sources = iter(sources)
     in_flight: dict[str, tuple[_Replay, RequestOutput | None]] = {}
@@ -111,7 +120,9 @@ def _answers(llm: LLM, sources: Iterable[tuple[int, list[Message]]], config: Dis
                 continue  # its first turn does not fit
         if not engine.has_unfinished_requests():
             break
-        for delta in engine.step():
+        deltas = engine.step()
+        count_tokens(sum(len(delta.outputs[0].token_ids) for delta in deltas))
+        for delta in deltas:
             replay, output = in_flight[delta.request_id]
             if output is None:
                 in_flight[delta.request_id] = (replay, output := delta)
