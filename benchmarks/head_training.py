@@ -24,16 +24,21 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     curve = json.loads((args.campaign / "head_training.json").read_text())
+    shipped_path = args.campaign / "shipped_head.json"
+    shipped = json.loads(shipped_path.read_text()) if shipped_path.exists() else None
     result = {
         "machine": f"{platform.machine()}, {_cpu_name()}",
         "command": f"make head-campaign CAMPAIGN={args.campaign}",
+        "shipped_head": shipped,
         "rounds": [{k: v for k, v in r.items() if k != "head"} for r in curve],
     }
     (args.out_dir / "head_training.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(curve, args.out_dir / "head_training.png")
+    plot(curve, shipped, args.out_dir / "head_training.png")
 
 
-def plot(curve: list[dict], path: Path) -> None:
+def plot(curve: list[dict], shipped: dict | None, path: Path) -> None:
+    """Acceptance length per category against tokens seen, one panel per tree shape; the shipped
+    head's, over every prompt, as a dashed line."""
     shapes = list(curve[0]["acceptance_length"])
     with png_figure(path, ncols=len(shapes), figsize=(6 * len(shapes), 4.2)) as axes:
         for ax, shape in zip(axes if len(shapes) > 1 else [axes], shapes):
@@ -41,6 +46,9 @@ def plot(curve: list[dict], path: Path) -> None:
             for category in curve[0]["acceptance_length"][shape]:
                 lengths = [r["acceptance_length"][shape][category] for r in curve]
                 ax.plot(tokens, lengths, marker="o", label=category)
+            if shipped is not None and shape in shipped["acceptance_length"]:
+                reference = shipped["acceptance_length"][shape]["all"]
+                ax.axhline(reference, color="gray", linestyle="--", label="shipped head, all")
             ax.set(
                 title=f"tree {shape}", xlabel="training tokens seen (M)", ylabel="acceptance length"
             )

@@ -6,8 +6,10 @@ Round r distils the target's answers until the data holds `rounds[r]` conversati
 and measures it on the dev set per category and tree shape. Every stage resumes where it stopped:
 distillation after the records already written, feature caching after its last shard, training
 from its last checkpoint (every `checkpoint_every` optimizer steps), and a round's measurement is
-redone if it was cut short. The learning curve, one record per finished
-round, is `OUT/head_training.json`; `OUT/best-head` is the head of the round that measured best.
+redone if it was cut short. The learning curve, one record per finished round, is
+`OUT/head_training.json`; `OUT/best-head` is the head of the round that measured best. After the
+first round the shipped head is measured once on the same dev set (`OUT/shipped_head.json`), the
+figure a round's head must beat.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from drafting.shipped_heads import shipped_head
 from drafting.training.dev_set import read_dev_set
 from drafting.training.distill import DistillConfig, distill
 from drafting.training.evaluation import DEFAULT_TREE, acceptance_lengths, shape_name
@@ -74,6 +77,7 @@ def run_campaign(config: CampaignConfig) -> Path:
         )
         curve_path.write_text(json.dumps(curve, indent=2) + "\n")
         _keep_best(out, curve)
+        _measure_shipped(config, out, dev_set)
     return curve_path
 
 
@@ -127,6 +131,18 @@ def _tokens_trained(folder: Path) -> int:
 def _log_lines(folder: Path) -> list[str]:
     log = folder / "train_log.jsonl"
     return log.read_text().splitlines() if log.exists() else []
+
+
+def _measure_shipped(config: CampaignConfig, out: Path, dev_set: list[dict]) -> None:
+    """The shipped head's dev-set acceptance, once, into OUT/shipped_head.json: what a round's
+    head must beat (by 0.05 at the default tree) to replace it."""
+    path, shipped = out / "shipped_head.json", shipped_head(config.target)
+    if path.exists() or shipped is None:
+        return
+    acceptance = acceptance_lengths(
+        config.target, shipped, dev_set, max_tokens=config.eval_max_tokens
+    )
+    path.write_text(json.dumps({"head": str(shipped), "acceptance_length": acceptance}, indent=2))
 
 
 def _keep_best(out: Path, curve: list[dict]) -> None:

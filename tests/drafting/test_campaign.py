@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from drafting.training import campaign
 from drafting.training.campaign import CampaignConfig, run_campaign
 from drafting.training.dev_set import CATEGORIES, category_of
 from tests.drafting.test_distill import write_multi_turn
@@ -31,7 +32,10 @@ def test_prompts_are_sorted_into_categories():
 
 
 @pytest.mark.slow
-def test_rounds_record_a_learning_curve_and_a_rerun_resumes(bigram_target, tmp_path):
+def test_rounds_record_a_learning_curve_and_a_rerun_resumes(
+    bigram_target, random_head, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(campaign, "shipped_head", lambda target: random_head)
     data = write_multi_turn(tmp_path / "source.jsonl", [2, 1, 3, 1, 2, 2, 1, 1, 2, 1])
     config = CampaignConfig(
         str(bigram_target),
@@ -57,6 +61,9 @@ def test_rounds_record_a_learning_curve_and_a_rerun_resumes(bigram_target, tmp_p
             assert all(length >= 1.0 for length in by_category.values())
     assert (tmp_path / "run" / "best-head" / "config.json").is_file()
     assert len((tmp_path / "run" / "distilled.jsonl").read_text().splitlines()) == 8
+    shipped = json.loads((tmp_path / "run" / "shipped_head.json").read_text())
+    assert shipped["head"] == str(random_head)
+    assert shipped["acceptance_length"].keys() == curve[0]["acceptance_length"].keys()
 
     written = curve_path.read_text()
     run_campaign(config)  # nothing left to do
