@@ -12,7 +12,7 @@ its Prometheus counters after the run, checked against its ``SpecDecoding metric
 length`` log lines (each line covers the interval since the previous one; they are summed here,
 weighted by drafts). Also reported: each engine's draft acceptance rate and how many greedy texts
 agree. Writes ``vllm_eagle3_interop.json`` and ``.png`` (and vLLM's log as ``.log``) to
-``--out-dir``. From the repository root, under the CPU lock:
+``--out-dir``. From the repository root, with background jobs paused:
 
     python benchmarks/bench_vllm_interop.py ~/.cache/aerie/runs/interop-head/head
     python benchmarks/bench_vllm_interop.py HEAD --vllm-log saved.log   # reuse a server's log
