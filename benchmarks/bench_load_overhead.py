@@ -16,10 +16,9 @@ drain included, is reported beside.
 Two things about the requests matter to the ratio. Requests of one length started together
 finish together under AR, and the next ones are then prefilled in one large pass, while
 speculation's finish apart and are prefilled a few at a time beside the decodes, which costs more
-per prompt token (8 requests, `--one-length`: 3 steps at 2.15 ms a prompt token against 9 at
-3.19): a lockstep that real traffic, of varied lengths and arrivals, does not have. And a fixed
-set of requests started together drains unevenly under speculation at the end, a tail a steady
-stream of requests does not have.
+per prompt token: a lockstep that real traffic, of varied lengths and arrivals, does not have.
+And a fixed set of requests started together drains unevenly under speculation at the end, a tail
+a steady stream of requests does not have.
 
 Per batch size: output tokens/s of each, their ratio, mean decode-step time and its phases (the
 head's propose, the target's verify), the steps that verified drafts, and the decode steps of all

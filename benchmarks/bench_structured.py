@@ -72,7 +72,7 @@ class GrammarClock:
         return timed
 
     def install(self) -> None:
-        for name in ("bitmasks_along", "advance", "rollback"):
+        for name in ("bitmasks_along", "drafts_along", "advance", "rollback"):
             method = getattr(grammar.GrammarMatcher, name)
             setattr(grammar.GrammarMatcher, name, self.wrap(method))
         engine.sampling.sampler.mask_logits = self.wrap(grammar.mask_logits)

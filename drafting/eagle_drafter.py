@@ -305,14 +305,14 @@ class EagleDrafter:
         constrained = [b for b, item in enumerate(items) if item.seq.grammar is not None]
         if not constrained:
             return None, None
+        drafts = {b: items[b].seq.grammar.drafts_along(paths(b)) for b in constrained}
         vocab = items[constrained[0]].seq.grammar.vocab_size
-        num_paths = len(paths(constrained[0]))
+        num_paths = len(drafts[constrained[0]][1])
         allowed = torch.ones(len(items), num_paths, vocab, dtype=torch.bool)
         forced = torch.full((len(items), num_paths), -1, dtype=torch.long)
-        for b in constrained:
-            grammar, seq_paths = items[b].seq.grammar, paths(b)
-            allowed[b] = unpack_bitmask(grammar.bitmasks_along(seq_paths), vocab)  # [P, vocab]
-            forced[b] = torch.tensor(grammar.forced_along(seq_paths))
+        for b, (bitmask, tokens) in drafts.items():
+            allowed[b] = unpack_bitmask(bitmask, vocab)  # [P, vocab]
+            forced[b] = torch.tensor(tokens)
         only = allowed.to(torch.uint8).argmax(dim=-1)  # [B, P] the first allowed token
         forced = torch.where(allowed.sum(dim=-1) == 1, only, forced)  # a lone allowed token
         is_allowed = allowed.gather(-1, forced.clamp(min=0)[..., None])[..., 0]  # [B, P]

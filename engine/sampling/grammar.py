@@ -198,25 +198,24 @@ class GrammarMatcher:
     def bitmasks_along(self, paths: list[list[int]]) -> torch.Tensor:
         """The allowed next tokens after each path of tokens from here: [len(paths), words]
         int32. A path the grammar forbids allows nothing. Leaves the matcher where it was."""
+        return self.drafts_along(paths, forced=False)[0]
+
+    def drafts_along(
+        self, paths: list[list[int]], forced: bool = True
+    ) -> tuple[torch.Tensor, list[int]]:
+        """`bitmasks_along(paths)`, and (with `forced`) after each path the next token of what
+        the grammar forces (literal keys, punctuation, in the tokenizer's own tokenization), -1
+        where it forces nothing or forbids the path; one walk along each path."""
         masks = torch.zeros(len(paths), num_bitmask_words(self.vocab_size), dtype=torch.int32)
+        tokens = [-1] * len(paths)
         for row, path in enumerate(paths):
             consumed = self.advance(path)
             if self.allows(path, consumed):
                 self.fill_bitmask(masks[row])
+            if forced and consumed == len(path):
+                tokens[row] = next(iter(self._matcher.compute_ff_tokens()), -1)
             self.rollback(consumed)
-        return masks
-
-    def forced_along(self, paths: list[list[int]]) -> list[int]:
-        """After each path of tokens from here, the next token of what the grammar forces
-        (literal keys, punctuation, in the tokenizer's own tokenization), or -1 where it forces
-        nothing or forbids the path. Leaves the matcher where it was."""
-        forced = []
-        for path in paths:
-            consumed = self.advance(path)
-            tokens = self._matcher.compute_ff_tokens() if consumed == len(path) else []
-            forced.append(tokens[0] if tokens else -1)
-            self.rollback(consumed)
-        return forced
+        return masks, tokens
 
 
 def num_bitmask_words(vocab_size: int) -> int:

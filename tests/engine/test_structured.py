@@ -144,6 +144,7 @@ def test_forced_tokens_follow_the_grammar_and_leave_the_matcher_in_place(tiny_mo
         [ids["I"], ids["D"], ids["-"], ids["a"]],
     ]
     paths.append([ids["!"]])  # forbidden: forces nothing
-    forced = matcher.forced_along(paths)
+    masks, forced = matcher.drafts_along(paths)
     assert forced == [ids["I"], ids["D"], -1, ids["b"], -1]  # after "ID-" the choice is open
-    assert matcher.forced_along([[]]) == [ids["I"]]  # the matcher stayed at the start
+    assert torch.equal(masks, matcher.bitmasks_along(paths))
+    assert matcher.drafts_along([[]])[1] == [ids["I"]]  # the matcher stayed at the start
