@@ -2,7 +2,8 @@
 
 One run, side by side, on the default model (smollm2-135m-instruct, fp32), MT-bench first turns
 (or `--prompts FILE [--category C]`, e.g. the dev set's code prompts), greedy, `--max-tokens` new
-tokens per request (EOS ignored, so every configuration emits the same number of tokens), over a
+tokens per request (EOS ignored, so every configuration emits the same number of tokens; with
+`--range-ratio r` request i asks for max_tokens x (1 +- r), the same for each server), over a
 concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
 
 * `aerie-spec`: `aerie serve` with the shipped EAGLE head and the draft controller (default);
@@ -13,7 +14,7 @@ concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
 * `aerie-ar`: `aerie serve --draft none`;
 * `aerie-spec-compiled` and `aerie-ar-compiled`: the same with `--enable-torch-compile`;
 * `transformers`: the outside reference, `model.generate` on batches of C prompts (left padded,
-  `min_new_tokens` = `max_new_tokens`), throughput only (it is not a server).
+  `min_new_tokens` = `max_new_tokens`, no `--range-ratio`), throughput only (it is not a server).
 
 The Aerie servers run at once, idle but for the one being measured: each concurrency level runs
 against each configuration in turn (`--rounds` times, the order flipping each round, the rounds
@@ -157,6 +158,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--prompts-per-client", type=int, default=4)
     parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="Aerie servers: request i asks for max_tokens x (1 +- r), seeded by i",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="runs of each level against each server, pooled"
     )
     parser.add_argument("--configs", default=",".join([*SERVERS, "transformers"]))
@@ -180,6 +187,7 @@ def bench_config(args, levels, base_url: str, label: str) -> BenchConfig:
         num_prompts=args.num_prompts or max(8, args.prompts_per_client * max(levels)),
         max_duration=600.0,
         ignore_eos=True,
+        range_ratio=args.range_ratio,
         label=label,
     )
 

@@ -160,6 +160,12 @@ def _add_bench(commands) -> None:
     cmd.add_argument("--max-duration", type=float, default=120.0, help="seconds per level")
     cmd.add_argument("--temperature", type=float, default=0.0)
     cmd.add_argument("--ignore-eos", action="store_true")
+    cmd.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="request i asks for max_tokens x (1 +- r), seeded by i (vLLM's --random-range-ratio)",
+    )
     cmd.add_argument("--model", default=None, help="default: the first the server lists")
     cmd.add_argument("--api-key", default=None)
     cmd.add_argument("--label", default="server", help="this configuration's name in the results")
@@ -257,6 +263,7 @@ def _bench_serve(args: argparse.Namespace) -> None:
         max_duration=args.max_duration,
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
+        range_ratio=args.range_ratio,
         model=args.model,
         api_key=args.api_key,
         label=args.label,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,10 +41,18 @@ class BenchConfig:
     max_duration: float = 120.0  # seconds per level after which no new request starts
     temperature: float = 0.0
     ignore_eos: bool = False
+    # Request i asks for max_tokens drawn from [max_tokens (1 - r), max_tokens (1 + r)], the same
+    # for every server (seeded by i), as vLLM's --random-range-ratio: requests of one length
+    # started together finish together, a lockstep that real traffic does not have.
+    range_ratio: float = 0.0
     model: str | None = None  # None: the first model the server lists
     api_key: str | None = None
     label: str = "server"
     out: Path | None = None  # JSON to merge results into; a PNG is written beside it
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise AerieError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
 
 
 @dataclass
@@ -128,7 +137,8 @@ async def _run_level(client, model: str, prompts, concurrency: int, config: Benc
             if time.perf_counter() > deadline:
                 return
             messages = prompts[index % len(prompts)]
-            records.append(await _one_request(client, model, messages, config))
+            max_tokens = output_length(config.max_tokens, config.range_ratio, index)
+            records.append(await _one_request(client, model, messages, max_tokens, config))
             bar.update(1)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -137,11 +147,20 @@ async def _run_level(client, model: str, prompts, concurrency: int, config: Benc
     return summarize(records, concurrency, elapsed)
 
 
-async def _one_request(client, model: str, messages, config: BenchConfig) -> RequestRecord:
+def output_length(max_tokens: int, range_ratio: float, index: int) -> int:
+    """Request `index`'s max_tokens: uniform over max_tokens (1 +- range_ratio), seeded by index."""
+    low = max(1, round(max_tokens * (1 - range_ratio)))
+    high = max(low, round(max_tokens * (1 + range_ratio)))
+    return random.Random(index).randint(low, high)
+
+
+async def _one_request(
+    client, model: str, messages, max_tokens: int, config: BenchConfig
+) -> RequestRecord:
     body = {
         "model": model,
         "messages": messages,
-        "max_tokens": config.max_tokens,
+        "max_tokens": max_tokens,
         "temperature": config.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},

@@ -5,12 +5,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engine.errors import AerieError
-from server.serving_benchmark import RequestRecord, load_prompts, summarize
+from server.serving_benchmark import (
+    BenchConfig,
+    RequestRecord,
+    load_prompts,
+    output_length,
+    summarize,
+)
 from tests.server.conftest import API_KEY
 
 pytestmark = pytest.mark.timeout(300)
@@ -87,6 +94,8 @@ def test_a_sweep_against_a_live_server(tiny_server, tmp_path):
         "--max-tokens",
         "12",
         "--ignore-eos",
+        "--range-ratio",
+        "0.5",
         "--label",
         "tiny",
         "--out",
@@ -99,8 +108,18 @@ def test_a_sweep_against_a_live_server(tiny_server, tmp_path):
     assert [level["concurrency"] for level in run["levels"]] == [1, 4]
     for level in run["levels"]:
         assert level["completed"] == 8 and level["failed"] == 0, level.get("errors")
-        assert level["output_tokens"] == 8 * 12
+        assert level["output_tokens"] == sum(output_length(12, 0.5, i) for i in range(8))
         assert 0 < level["mean_ttft_ms"] < level["mean_e2e_ms"]
         assert level["p50_itl_ms"] <= level["p99_itl_ms"]
         assert level["output_throughput"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_output_lengths_spread_alike_for_every_server():
+    lengths = [output_length(128, 0.5, i) for i in range(200)]
+    assert lengths == [output_length(128, 0.5, i) for i in range(200)]  # seeded by index
+    assert min(lengths) >= 64 and max(lengths) <= 192
+    assert min(lengths) < 80 and max(lengths) > 176  # spread over the range, not bunched
+    assert {output_length(128, 0.0, i) for i in range(20)} == {128}
+    with pytest.raises(AerieError, match="range_ratio"):
+        BenchConfig(base_url="http://x", prompts=Path("p.jsonl"), range_ratio=1.0)
