@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from drafting.head_format import fused_split_sizes, unfused, write_head_files
+from drafting.one_layer_head import OneLayerHead
 from engine.core.kv_cache import LayerShape
 from engine.errors import ModelLoadError
 from engine.execution.layers.attention import Attention
 from engine.execution.layers.mlp import GatedMLP
 from engine.execution.layers.norm import RMSNorm
-from engine.execution.layers.paged_attention import AttentionMetadata
 from engine.execution.layers.rotary import RotaryEmbedding
 from engine.execution.layers.weights import load_named_weights
 from engine.execution.models.spec import ModelSpec
@@ -150,7 +150,7 @@ def _feature_layers(config: dict) -> list[int] | None:
     )
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(OneLayerHead):
     def __init__(self, spec: Eagle3Spec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.spec = spec
@@ -191,34 +191,6 @@ class Eagle3Head(nn.Module):
         if features.shape[-1] == self.spec.hidden_size:
             return features
         return self.fc(features)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] the token after each feature's position
-        features: torch.Tensor,  # [T, 3 * target_hidden] target or [T, hidden] drafted
-        positions: torch.Tensor,  # [T]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        target_embedding: nn.Embedding,
-    ) -> torch.Tensor:  # [T, hidden] the pre-norm output: the next step's feature
-        x, residual = self._layer_input(input_ids, features, target_embedding)
-        attended = self.self_attn(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, meta)
-        # attended is this pass's own tensor: the fused kernel may add into it in place
-        h, residual = self.post_attention_layernorm.add_and_norm(residual, attended)
-        return residual + self.mlp(h)
-
-    def store_kv(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        features: torch.Tensor,  # [T, F]
-        positions: torch.Tensor,  # [T]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        slot_mapping: torch.Tensor,  # [T]
-        target_embedding: nn.Embedding,
-    ) -> None:
-        """Only the K/V that `forward` would write for these rows."""
-        x, _ = self._layer_input(input_ids, features, target_embedding)
-        self.self_attn.store_kv(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, slot_mapping)
 
     def draft_logits(self, outputs: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V_draft]
         return self.lm_head(self.norm(outputs))

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from drafting.head_format import fused_split_sizes, unfused, write_head_files
+from drafting.one_layer_head import OneLayerHead
 from engine.core.kv_cache import LayerShape
 from engine.errors import ModelLoadError
 from engine.execution.layers.attention import Attention
 from engine.execution.layers.mlp import GatedMLP
 from engine.execution.layers.norm import RMSNorm
-from engine.execution.layers.paged_attention import AttentionMetadata
 from engine.execution.layers.rotary import RotaryEmbedding
 from engine.execution.layers.weights import load_named_weights
 from engine.execution.models.spec import ModelSpec
@@ -82,7 +82,7 @@ class HeadSpec:
         )
 
 
-class EagleHead(nn.Module):
+class EagleHead(OneLayerHead):
     def __init__(self, spec: HeadSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.spec = spec
@@ -111,38 +111,11 @@ class EagleHead(nn.Module):
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
         return features  # its fc reads the feature beside the embedding
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] the token after each feature's position
-        features: torch.Tensor,  # [T, hidden] target (or drafted) features
-        positions: torch.Tensor,  # [T] the features' positions
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        target_embedding: nn.Embedding,
-    ) -> torch.Tensor:  # [T, hidden] the predicted next features
-        x = self._layer_input(input_ids, features, target_embedding)  # [T, hidden]
-        attended = self.self_attn(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, meta)
-        h, x = self.post_attention_layernorm.add_and_norm(attended, x)  # [T, hidden] each
-        return x + self.mlp(h)
-
-    def store_kv(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        features: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        slot_mapping: torch.Tensor,  # [T]
-        target_embedding: nn.Embedding,
-    ) -> None:
-        """Only the K/V that `forward` would write for these rows. The head's one layer has no
-        input norm, so its K/V depend on fc's output alone: rows whose predicted feature no one
-        reads skip attention, o_proj and the MLP."""
-        x = self._layer_input(input_ids, features, target_embedding)  # [T, hidden]
-        self.self_attn.store_kv(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, slot_mapping)
-
-    def _layer_input(self, input_ids, features, target_embedding) -> torch.Tensor:  # [T, hidden]
+    def _layer_input(self, input_ids, features, target_embedding):
+        """fc over [embedding ; feature]: the attention input and the residual [T, hidden]."""
         embedding = (self.embed_tokens or target_embedding)(input_ids)  # [T, hidden]
-        return self.fc(torch.cat((embedding, features.to(embedding.dtype)), dim=-1))
+        x = self.fc(torch.cat((embedding, features.to(embedding.dtype)), dim=-1))  # [T, hidden]
+        return x, x
 
 
 def load_eagle_head(

@@ -81,11 +81,16 @@ def head_losses(
     )  # unroll_steps x [N, hidden]
     score = _draft_scorer(head, target)
     feature_weight = 0.0 if isinstance(head, Eagle3Head) else FEATURE_WEIGHT
-    positions = _positions(lengths, device)  # [N]
+    positions = _positions(lengths, device)[mask]  # [M] of the trained rows
+    targets = targets[mask]  # [M, hidden]
+    with torch.no_grad():  # the same targets at every step: their distribution once
+        target_probs = torch.softmax(F.linear(targets, score.target_weight).float(), dim=-1)
     loss, parts = 0.0, []
     for step, predicted in enumerate(predictions):
-        valid = mask & (positions >= step)  # step s's first s positions have no drafted input
-        feature_loss, token_loss, accuracy = _losses(predicted[valid], targets[valid], score)
+        valid = positions >= step  # [M] step s's first s positions have no drafted input
+        feature_loss, token_loss, accuracy = _losses(
+            predicted[mask][valid], targets[valid], target_probs[valid], score
+        )
         loss = loss + UNROLL_DECAY**step * (
             feature_weight * feature_loss + TOKEN_WEIGHT * token_loss
         )
@@ -128,13 +133,15 @@ def _positions(lengths: list[int], device: torch.device) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths]).to(device)
 
 
-def _losses(predicted: torch.Tensor, targets: torch.Tensor, score: _DraftScorer):
-    """Smooth-L1 to the target's final hidden states, soft cross-entropy over the draft
-    vocabulary and top-1 agreement, for predicted features and target states [M, hidden]."""
+def _losses(
+    predicted: torch.Tensor,  # [M, hidden] the head's features
+    targets: torch.Tensor,  # [M, hidden] the target's final hidden states
+    target_probs: torch.Tensor,  # [M, V] the target's distribution over the draft vocabulary
+    score: _DraftScorer,
+):
+    """Smooth-L1 to the target's states, soft cross-entropy over the draft vocabulary and top-1
+    agreement."""
     feature_loss = F.smooth_l1_loss(predicted, targets)
-    with torch.no_grad():
-        target_logits = F.linear(targets, score.target_weight).float()  # [M, V]
-        target_probs = torch.softmax(target_logits, dim=-1)  # [M, V]
     head_logprobs = torch.log_softmax(score.head_logits(predicted).float(), dim=-1)  # [M, V]
     token_loss = -(target_probs * head_logprobs).sum(-1).mean()
     with torch.no_grad():
