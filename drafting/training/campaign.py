@@ -2,8 +2,9 @@
 as many sessions as it takes.
 
 Round r distils the target's answers until the data holds `rounds[r]` conversations
-(`distill-data`), trains a head on all of them starting from the previous round's (`train-head`),
-and measures it on the dev set per category and tree shape. Every stage resumes where it stopped:
+(`distill-data`), trains the previous round's head further on the conversations distilled since
+(`train-head`), so that each conversation costs its epochs once, and measures it on the dev set
+per category and tree shape. Every stage resumes where it stopped:
 distillation after the records already written, feature caching after its last shard, training
 from its last checkpoint (every `checkpoint_every` optimizer steps), and a round's measurement is
 redone if it was cut short. The learning curve, one record per finished round, is
@@ -59,8 +60,10 @@ def run_campaign(config: CampaignConfig) -> Path:
         if index < len(curve):
             continue
         data = _distilled(config, out, conversations)
-        previous = out / f"round-{config.rounds[index - 1]}" / "head" if index else None
-        head = _trained(config, data, out / f"round-{conversations}", conversations, previous)
+        first = config.rounds[index - 1] if index else 0
+        previous = out / f"round-{first}" / "head" if index else None
+        folder = out / f"round-{conversations}"
+        head = _trained(config, data, folder, range(first, conversations), previous)
         acceptance = acceptance_lengths(
             config.target, head, dev_set, max_tokens=config.eval_max_tokens
         )
@@ -98,14 +101,15 @@ def _distilled(config: CampaignConfig, out: Path, conversations: int) -> Path:
 
 
 def _trained(
-    config: CampaignConfig, data: Path, folder: Path, conversations: int, previous: Path | None
+    config: CampaignConfig, data: Path, folder: Path, conversations: range, previous: Path | None
 ) -> Path:
     train = TrainConfig(
         config.target,
         str(data),
         folder,
         arch=config.arch,
-        max_conversations=conversations,
+        first_conversation=conversations.start,
+        max_conversations=conversations.stop,
         epochs=config.epochs,
         draft_vocab_size=config.draft_vocab_size,
         unroll_steps=config.unroll_steps,

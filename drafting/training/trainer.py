@@ -47,7 +47,8 @@ class TrainConfig:
     data: str
     out: Path
     arch: str = "eagle2"  # "eagle3": three layers' features, its own lm_head, token loss only
-    max_conversations: int | None = None
+    max_conversations: int | None = None  # read up to this one (exclusive)
+    first_conversation: int = 0  # and from this one: a campaign round reads only its new ones
     max_tokens: int = 1024  # per conversation
     epochs: int = 4
     batch_tokens: int = 4096  # tokens per optimizer step
@@ -75,6 +76,13 @@ class TrainConfig:
             )
         if self.unroll_steps < 1:
             raise AerieError(f"--unroll-steps must be at least 1, got {self.unroll_steps}")
+        if self.first_conversation < 0 or (
+            self.max_conversations and self.first_conversation >= self.max_conversations
+        ):
+            raise AerieError(
+                f"--first-conversation {self.first_conversation} leaves no conversation "
+                f"before --max-conversations {self.max_conversations}"
+            )
 
 
 class HeadTrainer:
@@ -118,10 +126,9 @@ class HeadTrainer:
 
     def _training_conversations(self):
         tokenizer = self.llm.get_tokenizer()
-        conversations = load_conversations(self.config.data)
-        if self.config.max_conversations:
-            conversations = islice(conversations, self.config.max_conversations)
-        for index, messages in enumerate(conversations):
+        first, stop = self.config.first_conversation, self.config.max_conversations
+        conversations = islice(load_conversations(self.config.data), first, stop or None)
+        for index, messages in enumerate(conversations, first):
             if index % HOLDOUT_EVERY == 0:
                 continue
             tokenized = tokenize_conversation(tokenizer, messages, self.config.max_tokens)

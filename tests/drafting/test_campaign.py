@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from safetensors.torch import load_file
 
 from drafting.training import campaign
 from drafting.training.campaign import CampaignConfig, run_campaign
@@ -29,6 +30,11 @@ def test_prompts_are_sorted_into_categories():
     assert category_of("Calculate the probability of two sixes") == "reasoning"
     assert category_of("What is 17 * 23?") == "reasoning"
     assert category_of("Write a travel blog post about Hawaii") == "writing"
+
+
+def conversations_in(round_folder) -> int:
+    shards = round_folder.glob("features*/shard-*.safetensors")
+    return sum(len(load_file(str(shard))["lengths"]) for shard in shards)
 
 
 @pytest.mark.slow
@@ -55,6 +61,9 @@ def test_rounds_record_a_learning_curve_and_a_rerun_resumes(
     curve = json.loads(curve_path.read_text())
     assert [r["conversations"] for r in curve] == [4, 8]
     assert curve[1]["training_tokens_seen"] > curve[0]["training_tokens_seen"] > 0
+    # each round trains on the conversations distilled since the last (the first is held out)
+    assert conversations_in(tmp_path / "run" / "round-4") == 3
+    assert conversations_in(tmp_path / "run" / "round-8") == 4
     for record in curve:
         for by_category in record["acceptance_length"].values():
             assert set(by_category) == {*CATEGORIES, "all"}

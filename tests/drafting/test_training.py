@@ -12,7 +12,7 @@ from drafting.head_loader import load_head
 from drafting.training.data import load_conversations, tokenize_conversation
 from drafting.training.features import target_features
 from drafting.training.objective import TrainingExample, head_losses, unrolled_predictions
-from drafting.training.trainer import TrainConfig, train_head
+from drafting.training.trainer import HeadTrainer, TrainConfig, train_head
 from engine import LLM, SamplingParams
 from engine.core.kv_cache import KVCache
 from engine.errors import AerieError
@@ -90,6 +90,23 @@ def assert_decodes_as_plain(target, head) -> None:
 
 
 @pytest.mark.slow
+def test_a_later_round_reads_the_conversations_after_the_earlier_ones(bigram_target, tmp_path):
+    """first_conversation splits the data without a gap or an overlap: the held-out slice stays
+    every 50th conversation of the whole file, not of the part read."""
+    config = quick_config(bigram_target, tmp_path, 120)
+
+    def read(first: int, stop: int) -> list[list[int]]:
+        part = TrainConfig(**{**config.__dict__, "first_conversation": first})
+        trainer = HeadTrainer(TrainConfig(**{**part.__dict__, "max_conversations": stop}))
+        return [c.token_ids for c in trainer._training_conversations()]
+
+    everything = read(0, 120)
+    assert len(everything) == 120 - 3  # 0, 50 and 100 held out
+    assert read(0, 60) + read(60, 120) == everything
+    with pytest.raises(AerieError, match="first-conversation"):
+        TrainConfig(**{**config.__dict__, "first_conversation": 8, "max_conversations": 8})
+
+
 def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
     config = quick_config(bigram_target, tmp_path, 60, shard_tokens=1500, checkpoint_every=3)
     head = train_head(config)
