@@ -11,7 +11,8 @@ concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
   benchmarks/random_head.py): what speculation costs when drafts never pay;
 * `aerie-spec-fixed-tree`: the same head verifying whole trees every step, as published engines do
   (`--no-adaptive-draft-budget`): what the adaptive budget protects against under load;
-* `aerie-ar`: `aerie serve --draft none`;
+* `aerie-ar`: `aerie serve --draft none`; `aerie-ar-twin` the same in a second process, whose
+  ratio to `aerie-ar` is the run's own noise floor (two processes of one configuration);
 * `aerie-spec-compiled` and `aerie-ar-compiled`: the same with `--enable-torch-compile`;
 * `transformers`: the outside reference, `model.generate` on batches of C prompts (left padded,
   `min_new_tokens` = `max_new_tokens`, no `--range-ratio`), throughput only (it is not a server).
@@ -63,6 +64,7 @@ SERVERS = {
     "aerie-spec-useless": ["--draft", str(USELESS_HEAD)],
     "aerie-spec-fixed-tree": ["--draft", "auto", "--no-adaptive-draft-budget"],
     "aerie-ar": ["--draft", "none"],
+    "aerie-ar-twin": ["--draft", "none"],  # a second AR process: the run's own noise floor
     "aerie-spec-compiled": ["--draft", "auto", "--enable-torch-compile"],
     "aerie-ar-compiled": ["--draft", "none", "--enable-torch-compile"],
 }
@@ -166,7 +168,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=1, help="runs of each level against each server, pooled"
     )
-    parser.add_argument("--configs", default=",".join([*SERVERS, "transformers"]))
+    everything = [label for label in SERVERS if label != "aerie-ar-twin"] + ["transformers"]
+    parser.add_argument("--configs", default=",".join(everything))
     parser.add_argument("--extra-server-args", default="", help="added to every aerie serve")
     parser.add_argument(
         "--merge",
