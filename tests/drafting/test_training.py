@@ -89,15 +89,14 @@ def assert_decodes_as_plain(target, head) -> None:
     assert plain[0].outputs[0].token_ids == drafted[0].outputs[0].token_ids
 
 
-@pytest.mark.slow
 def test_a_later_round_reads_the_conversations_after_the_earlier_ones(bigram_target, tmp_path):
     """first_conversation splits the data without a gap or an overlap: the held-out slice stays
     every 50th conversation of the whole file, not of the part read."""
     config = quick_config(bigram_target, tmp_path, 120)
 
     def read(first: int, stop: int) -> list[list[int]]:
-        part = TrainConfig(**{**config.__dict__, "first_conversation": first})
-        trainer = HeadTrainer(TrainConfig(**{**part.__dict__, "max_conversations": stop}))
+        part = {"first_conversation": first, "max_conversations": stop}
+        trainer = HeadTrainer(TrainConfig(**{**config.__dict__, **part}))
         return [c.token_ids for c in trainer._training_conversations()]
 
     everything = read(0, 120)
@@ -107,6 +106,7 @@ def test_a_later_round_reads_the_conversations_after_the_earlier_ones(bigram_tar
         TrainConfig(**{**config.__dict__, "first_conversation": 8, "max_conversations": 8})
 
 
+@pytest.mark.slow
 def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
     config = quick_config(bigram_target, tmp_path, 60, shard_tokens=1500, checkpoint_every=3)
     head = train_head(config)
