@@ -18,8 +18,9 @@ concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
   `min_new_tokens` = `max_new_tokens`, no `--range-ratio`), throughput only (it is not a server).
 
 The Aerie servers run at once, idle but for the one being measured: each concurrency level runs
-against each configuration in turn (`--rounds` times, the order flipping each round, the rounds
-pooled), so a slow spell of this shared machine hits them alike.
+against each configuration in turn, so a slow spell of this shared machine hits them alike. Each of
+`--rounds` rounds starts the servers afresh, the order flipping each round; a level's rounds are
+pooled, and its ratios to AR are taken per round (the median, and each round's, are reported).
 transformers runs after them, in this process. Results merge into
 benchmarks/results/serve.json (with the ratios to AR per level) and serve.png. From the repository
 root:
@@ -53,7 +54,13 @@ from random_head import useless_head
 from tqdm import tqdm
 
 from engine.execution.model_files import resolve_model_path
-from server.serving_benchmark import BenchConfig, load_prompts, merge_results, run_benchmark
+from server.serving_benchmark import (
+    BenchConfig,
+    load_prompts,
+    merge_results,
+    ratios_to_reference,
+    run_benchmark,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
@@ -83,34 +90,32 @@ def main() -> None:
     if "transformers" in labels:
         merge_results(out, transformers_sweep(args, levels))
     data = json.loads(out.read_text())
-    data["ratios_to_ar"] = ratios_to_ar(data["runs"])
+    data["ratios_to_ar"] = ratios_to_reference(data["runs"])
     out.write_text(json.dumps(data, indent=2) + "\n")
     print(json.dumps(data["ratios_to_ar"], indent=2))
 
 
 def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
-    """Every Aerie configuration up at once (idle servers sleep); each concurrency level runs
-    against each in turn, `--rounds` times in alternating order, so a slow spell of this shared
-    machine hits them alike."""
+    """Each of `--rounds` rounds starts every Aerie configuration afresh (idle servers sleep) and
+    runs each concurrency level against each in turn, the order flipping each round: a slow spell
+    of this shared machine hits them alike, and a process that happens to run slow (where its
+    memory and threads landed) is one round's, not the whole run's."""
     if "aerie-spec-useless" in labels:
         useless_head(MODEL, USELESS_HEAD)
-    with contextlib.ExitStack() as stack:
-        urls = {
-            label: stack.enter_context(running_server(SERVERS[label], args.extra_server_args))
-            for label in labels
-        }
-        for label, url in urls.items():  # warm-up: the first requests of a process run slower
-            run_benchmark(replace(bench_config(args, (1,), url, label), num_prompts=2))
-        rounds = {label: [] for label in labels}  # per label: per level, each round's result
-        for concurrency in levels:
-            per_level = {label: [] for label in labels}
-            for round_index in range(args.rounds):  # the order flips each round: drift hits both
-                order = list(urls.items()) if round_index % 2 == 0 else list(urls.items())[::-1]
-                for label, url in order:
+    rounds = {label: [[] for _ in levels] for label in labels}  # per label, per level: rounds
+    for round_index in range(args.rounds):
+        order = labels if round_index % 2 == 0 else labels[::-1]
+        with contextlib.ExitStack() as stack:
+            urls = {
+                label: stack.enter_context(running_server(SERVERS[label], args.extra_server_args))
+                for label in order
+            }
+            for label, url in urls.items():  # warm-up: the first requests of a process run slower
+                run_benchmark(replace(bench_config(args, (1,), url, label), num_prompts=2))
+            for level, concurrency in enumerate(levels):
+                for label, url in urls.items():
                     result = run_benchmark(bench_config(args, (concurrency,), url, label))
-                    per_level[label].append(result)
-            for label, results in per_level.items():
-                rounds[label].append(results)
+                    rounds[label][level].append(result)
     return [_combined(per_level, levels) for per_level in rounds.values()]
 
 
@@ -280,31 +285,6 @@ def transformers_sweep(args, levels) -> dict:
         "settings": {"batched": True},
         "levels": results,
     }
-
-
-def ratios_to_ar(runs: dict) -> dict:
-    """Output tokens/s and mean TPOT of every configuration over AR's, per concurrency."""
-    if "aerie-ar" not in runs:
-        return {}
-    ar = {level["concurrency"]: level for level in runs["aerie-ar"]["levels"]}
-    ratios = {}
-    for label, run in runs.items():
-        if label == "aerie-ar":
-            continue
-        ratios[label] = {
-            str(level["concurrency"]): {
-                "throughput": level["output_throughput"]
-                / ar[level["concurrency"]]["output_throughput"],
-                **(
-                    {"tpot": level["mean_tpot_ms"] / ar[level["concurrency"]]["mean_tpot_ms"]}
-                    if level.get("mean_tpot_ms")
-                    else {}
-                ),
-            }
-            for level in run["levels"]
-            if level["concurrency"] in ar
-        }
-    return ratios
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -268,6 +269,42 @@ def merge_results(path: Path, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     plot_results(data, path.with_suffix(".png"))
+
+
+def ratios_to_reference(runs: dict, reference: str = "aerie-ar") -> dict:
+    """Each other run's output tokens/s and median TPOT over `reference`'s, per concurrency: the
+    ratio of every round (in a round, the servers ran that level one after another, so a slow
+    spell of the machine hits both) and the median of those ratios. Their spread, and a second
+    process of the reference's configuration, show how far the run can tell servers apart."""
+    if reference not in runs:
+        return {}
+    theirs = {level["concurrency"]: level for level in runs[reference]["levels"]}
+    ratios = {}
+    for label, run in runs.items():
+        if label == reference:
+            continue
+        ratios[label] = {
+            str(level["concurrency"]): _paired(level, theirs[level["concurrency"]])
+            for level in run["levels"]
+            if level["concurrency"] in theirs
+        }
+    return ratios
+
+
+def _paired(level: dict, reference: dict) -> dict:
+    pairs = list(zip(level.get("rounds", [level]), reference.get("rounds", [reference])))
+    ratios = {
+        "throughput": [
+            ours["output_throughput"] / theirs["output_throughput"] for ours, theirs in pairs
+        ]
+    }
+    if all(ours.get("p50_tpot_ms") and theirs.get("p50_tpot_ms") for ours, theirs in pairs):
+        ratios["tpot"] = [ours["p50_tpot_ms"] / theirs["p50_tpot_ms"] for ours, theirs in pairs]
+    summary = {}
+    for name, values in ratios.items():
+        summary[name] = statistics.median(values)
+        summary[f"{name}_rounds"] = values
+    return summary
 
 
 def plot_results(data: dict, path: Path) -> None:

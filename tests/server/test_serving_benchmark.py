@@ -16,6 +16,7 @@ from server.serving_benchmark import (
     RequestRecord,
     load_prompts,
     output_length,
+    ratios_to_reference,
     summarize,
 )
 from tests.server.conftest import API_KEY
@@ -38,6 +39,25 @@ def test_summary_follows_the_vllm_definitions():
     assert summary["p99_itl_ms"] == pytest.approx(1000 * np.percentile(itls, 99))
     assert summary["p50_e2e_ms"] == pytest.approx(1000 * np.percentile([0.5, 0.4], 50))
     assert summary["errors"] == ["HTTP 503"]
+
+
+def test_ratios_pair_each_round_with_the_reference_s_same_round():
+    def level(*rounds):  # (tokens/s, median TPOT ms) per round
+        runs = [{"output_throughput": t, "p50_tpot_ms": m} for t, m in rounds]
+        return {"concurrency": 4, "rounds": runs}
+
+    runs = {
+        # the machine ran twice as fast in round 2: each round's ratio is 0.9, the pooled one not
+        "aerie-ar": {"levels": [level((100, 10), (200, 5), (100, 10))]},
+        "aerie-spec": {"levels": [level((90, 11), (180, 5.5), (120, 8))]},
+        "other-level-only": {"levels": [{**level((50, 1)), "concurrency": 8}]},
+    }
+    ratios = ratios_to_reference(runs)
+    assert ratios["aerie-spec"]["4"]["throughput_rounds"] == pytest.approx([0.9, 0.9, 1.2])
+    assert ratios["aerie-spec"]["4"]["throughput"] == pytest.approx(0.9)  # the median round
+    assert ratios["aerie-spec"]["4"]["tpot"] == pytest.approx(1.1)
+    assert ratios["other-level-only"] == {}
+    assert ratios_to_reference(runs, reference="absent") == {}
 
 
 def test_prompt_files_in_three_shapes(tmp_path):
