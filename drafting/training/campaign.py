@@ -37,6 +37,7 @@ class CampaignConfig:
     rounds: tuple[int, ...] = (1000, 2000, 4000, 8000, 17500)  # conversations distilled
     arch: str = "eagle3"
     epochs: int = 2
+    batch_tokens: int = 1024  # per optimizer step: a round's few new conversations need many steps
     draft_vocab_size: int = 8192
     unroll_steps: int = 3
     max_tokens: int = 512  # per distilled answer
@@ -73,6 +74,7 @@ def run_campaign(config: CampaignConfig) -> Path:
                 "round": index,
                 "conversations": conversations,
                 "arch": config.arch,
+                "recipe": {"epochs": config.epochs, "batch_tokens": config.batch_tokens},
                 "training_tokens_seen": seen,
                 "acceptance_length": acceptance,
                 "head": str(head),
@@ -111,6 +113,7 @@ def _trained(
         first_conversation=conversations.start,
         max_conversations=conversations.stop,
         epochs=config.epochs,
+        batch_tokens=config.batch_tokens,
         draft_vocab_size=config.draft_vocab_size,
         unroll_steps=config.unroll_steps,
         init_head=str(previous) if previous else None,
