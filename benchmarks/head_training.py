@@ -27,7 +27,7 @@ def main() -> None:
     shipped_path = args.campaign / "shipped_head.json"
     shipped = json.loads(shipped_path.read_text()) if shipped_path.exists() else None
     result = {
-        "machine": f"{platform.machine()}, {_cpu_name()}",
+        "machine": f"{platform.machine()}, {cpu_name()}",
         "command": f"make head-campaign CAMPAIGN={args.campaign}",
         "shipped_head": shipped,
         "rounds": [{k: v for k, v in r.items() if k != "head"} for r in curve],
@@ -56,7 +56,7 @@ def plot(curve: list[dict], shipped: dict | None, path: Path) -> None:
             ax.legend()
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()

@@ -36,7 +36,7 @@ class CampaignConfig:
     data: str = "sharegpt"  # the source conversations (load_conversations)
     rounds: tuple[int, ...] = (1000, 2000, 4000, 8000, 17500)  # conversations distilled
     arch: str = "eagle3"
-    epochs: int = 2
+    epochs: int = 4
     batch_tokens: int = 1024  # per optimizer step: a round's few new conversations need many steps
     draft_vocab_size: int = 8192
     unroll_steps: int = 3
