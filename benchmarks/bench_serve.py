@@ -90,7 +90,7 @@ def main() -> None:
     if "transformers" in labels:
         merge_results(out, transformers_sweep(args, levels))
     data = json.loads(out.read_text())
-    data["ratios_to_ar"] = ratios_to_reference(data["runs"])
+    data["ratios_to_ar"] = ratios_to_reference(data["runs"], "aerie-ar")
     out.write_text(json.dumps(data, indent=2) + "\n")
     print(json.dumps(data["ratios_to_ar"], indent=2))
 

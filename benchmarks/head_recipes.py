@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
-from head_training import cpu_name
+from head_training import machine_name
 
 from drafting.training.dev_set import read_dev_set
 from drafting.training.evaluation import acceptance_lengths
@@ -37,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     dev_set = read_dev_set(args.dev_set)
     results = json.loads(args.out.read_text()) if args.out.exists() else {"recipes": {}}
-    results["machine"] = f"{platform.machine()}, {cpu_name()}"
+    results["machine"] = machine_name()
     for item in args.heads:
         label, head = item.split("=", 1)
         lengths = acceptance_lengths(MODEL, head, dev_set, max_tokens=128)
@@ -50,9 +49,9 @@ def main() -> None:
 def plot(recipes: dict, path: Path) -> None:
     """Acceptance length over every dev-set prompt, one bar per recipe, a panel per tree."""
     shapes = list(next(iter(recipes.values()))["acceptance_length"])
+    labels = list(recipes)
     with png_figure(path, ncols=len(shapes), figsize=(5 * len(shapes), 4)) as axes:
         for ax, shape in zip(axes if len(shapes) > 1 else [axes], shapes):
-            labels = list(recipes)
             values = [recipes[label]["acceptance_length"][shape]["all"] for label in labels]
             ax.bar(labels, values)
             ax.set(title=f"tree {shape}", ylabel="acceptance length (dev set)")

@@ -27,7 +27,7 @@ def main() -> None:
     shipped_path = args.campaign / "shipped_head.json"
     shipped = json.loads(shipped_path.read_text()) if shipped_path.exists() else None
     result = {
-        "machine": f"{platform.machine()}, {cpu_name()}",
+        "machine": machine_name(),
         "command": f"make head-campaign CAMPAIGN={args.campaign}",
         "shipped_head": shipped,
         "rounds": [{k: v for k, v in r.items() if k != "head"} for r in curve],
@@ -56,11 +56,12 @@ def plot(curve: list[dict], shipped: dict | None, path: Path) -> None:
             ax.legend()
 
 
-def cpu_name() -> str:
+def machine_name() -> str:
+    """The architecture and the CPU's model name, as results files record the machine."""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+            return f"{platform.machine()}, {line.split(':', 1)[1].strip()}"
+    return f"{platform.machine()}, {platform.processor()}"
 
 
 if __name__ == "__main__":

@@ -271,7 +271,7 @@ def merge_results(path: Path, result: dict) -> None:
     plot_results(data, path.with_suffix(".png"))
 
 
-def ratios_to_reference(runs: dict, reference: str = "aerie-ar") -> dict:
+def ratios_to_reference(runs: dict, reference: str) -> dict:
     """Each other run's output tokens/s and median TPOT over `reference`'s, per concurrency: the
     ratio of every round (in a round, the servers ran that level one after another, so a slow
     spell of the machine hits both) and the median of those ratios. Their spread, and a second
@@ -292,18 +292,14 @@ def ratios_to_reference(runs: dict, reference: str = "aerie-ar") -> dict:
 
 
 def _paired(level: dict, reference: dict) -> dict:
+    """{"throughput": median, "throughput_rounds": [...], and the same for "tpot" (median TPOT)
+    where every round has it}."""
     pairs = list(zip(level.get("rounds", [level]), reference.get("rounds", [reference])))
-    ratios = {
-        "throughput": [
-            ours["output_throughput"] / theirs["output_throughput"] for ours, theirs in pairs
-        ]
-    }
-    if all(ours.get("p50_tpot_ms") and theirs.get("p50_tpot_ms") for ours, theirs in pairs):
-        ratios["tpot"] = [ours["p50_tpot_ms"] / theirs["p50_tpot_ms"] for ours, theirs in pairs]
     summary = {}
-    for name, values in ratios.items():
-        summary[name] = statistics.median(values)
-        summary[f"{name}_rounds"] = values
+    for name, key in (("throughput", "output_throughput"), ("tpot", "p50_tpot_ms")):
+        if all(ours.get(key) and theirs.get(key) for ours, theirs in pairs):
+            values = [ours[key] / theirs[key] for ours, theirs in pairs]
+            summary |= {name: statistics.median(values), f"{name}_rounds": values}
     return summary
 
 

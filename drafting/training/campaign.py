@@ -64,7 +64,8 @@ def run_campaign(config: CampaignConfig) -> Path:
         first = config.rounds[index - 1] if index else 0
         previous = out / f"round-{first}" / "head" if index else None
         folder = out / f"round-{conversations}"
-        head = _trained(config, data, folder, range(first, conversations), previous)
+        train = _train_config(config, data, folder, range(first, conversations), previous)
+        head = _trained(train)
         acceptance = acceptance_lengths(
             config.target, head, dev_set, max_tokens=config.eval_max_tokens
         )
@@ -74,7 +75,7 @@ def run_campaign(config: CampaignConfig) -> Path:
                 "round": index,
                 "conversations": conversations,
                 "arch": config.arch,
-                "recipe": {"epochs": config.epochs, "batch_tokens": config.batch_tokens},
+                "recipe": {"epochs": train.epochs, "batch_tokens": train.batch_tokens},
                 "training_tokens_seen": seen,
                 "acceptance_length": acceptance,
                 "head": str(head),
@@ -102,9 +103,10 @@ def _distilled(config: CampaignConfig, out: Path, conversations: int) -> Path:
     return data
 
 
-def _trained(
+def _train_config(
     config: CampaignConfig, data: Path, folder: Path, conversations: range, previous: Path | None
-) -> Path:
+) -> TrainConfig:
+    """The round's training, with `config.train`'s further fields applied."""
     train = TrainConfig(
         config.target,
         str(data),
@@ -119,9 +121,13 @@ def _trained(
         init_head=str(previous) if previous else None,
         resume=(folder / "checkpoint.pt").exists(),
     )
-    head = train_head(replace(train, **config.train))
+    return replace(train, **config.train)
+
+
+def _trained(train: TrainConfig) -> Path:
+    head = train_head(train)
     if not (head / "config.json").exists():
-        raise AerieError(f"training in {folder} wrote no head")
+        raise AerieError(f"training in {train.out} wrote no head")
     return head
 
 

@@ -50,18 +50,17 @@ def test_rounds_record_a_learning_curve_and_a_rerun_resumes(
         data=str(data),
         rounds=(4, 8),
         epochs=1,
-        batch_tokens=256,
         draft_vocab_size=64,
         unroll_steps=2,
         max_tokens=12,
         eval_max_tokens=8,
-        train=dict(eval_conversations=1, eval_max_tokens=4, max_tokens=128),
+        train=dict(batch_tokens=256, eval_conversations=1, eval_max_tokens=4, max_tokens=128),
     )
     curve_path = run_campaign(config)
 
     curve = json.loads(curve_path.read_text())
     assert [r["conversations"] for r in curve] == [4, 8]
-    assert curve[0]["recipe"] == {"epochs": 1, "batch_tokens": 256}
+    assert curve[0]["recipe"] == {"epochs": 1, "batch_tokens": 256}  # as trained, override too
     assert curve[1]["training_tokens_seen"] > curve[0]["training_tokens_seen"] > 0
     # each round trains on the conversations distilled since the last (the first is held out)
     assert conversations_in(tmp_path / "run" / "round-4") == 3
