@@ -55,10 +55,9 @@ bench: setup
 
 # The draft head's training campaign (drafting/training/campaign.py), in the background: rerun it
 # on any machine to resume where it stopped. Its state lives outside the checkout.
-CAMPAIGN ?= $(HOME)/.cache/aerie/runs/campaign-eagle3
-ROUNDS   ?= 250,500,1000,2000,4000,8000,17500
+CAMPAIGN ?= $(HOME)/.cache/aerie/runs/campaign-sharegpt
 head-campaign: setup
 	mkdir -p $(CAMPAIGN)
-	nohup nice -n 19 $(VENV)/bin/aerie head-campaign --out $(CAMPAIGN) --rounds $(ROUNDS) \
+	nohup nice -n 19 $(VENV)/bin/aerie head-campaign --out $(CAMPAIGN) $(if $(ROUNDS),--rounds $(ROUNDS)) \
 	  --dev-set $(CURDIR)/benchmarks/data/dev_set.jsonl >> $(CAMPAIGN)/log.txt 2>&1 & \
 	  echo $$! > $(CAMPAIGN)/pid

@@ -15,7 +15,7 @@ from pathlib import Path
 from plotting import png_figure
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CAMPAIGN = Path.home() / ".cache" / "aerie" / "runs" / "campaign-eagle3"
+CAMPAIGN = Path.home() / ".cache" / "aerie" / "runs" / "campaign-sharegpt"
 
 
 def main() -> None:

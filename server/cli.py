@@ -113,7 +113,7 @@ def _add_head_campaign(commands) -> None:
     from drafting.training.campaign import CampaignConfig
 
     cmd = commands.add_parser(
-        "head-campaign", help="distil, train and measure a head in resumable rounds"
+        "head-campaign", help="train and measure a head in resumable rounds of growing data"
     )
     cmd.add_argument("--target", default=DEFAULT_MODEL, help="the model the head drafts for")
     cmd.add_argument("--out", required=True, help="run folder (rerun to resume)")
@@ -121,7 +121,7 @@ def _add_head_campaign(commands) -> None:
     cmd.add_argument(
         "--rounds",
         default=",".join(map(str, CampaignConfig.rounds)),
-        help="conversations distilled by the end of each round",
+        help="source conversations read by the end of each round",
     )
     _add_dataclass_flags(cmd, CampaignConfig, skip=("target", "out", "dev_set", "rounds", "train"))
     cmd.set_defaults(run=_head_campaign)
@@ -132,6 +132,14 @@ def _add_dataclass_flags(cmd, config_class, skip: tuple[str, ...]) -> None:
         if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
+        if isinstance(field.default, bool):
+            cmd.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=field.default,
+                help=f"default: {field.default}",
+            )
+            continue
         kind = type(field.default) if isinstance(field.default, (float, str)) else int
         cmd.add_argument(flag, type=kind, default=field.default, help=f"default: {field.default}")
 

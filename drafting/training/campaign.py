@@ -1,17 +1,19 @@
-"""`aerie head-campaign`: distil, train and measure a draft head in rounds of growing data, for
-as many sessions as it takes.
+"""`aerie head-campaign`: train and measure a draft head in rounds of growing data, for as many
+sessions as it takes.
 
-Round r distils the target's answers until the data holds `rounds[r]` conversations
-(`distill-data`), trains the previous round's head further on the conversations distilled since
-(`train-head`), so that each conversation costs its epochs once, and measures it on the dev set
-per category and tree shape. Every stage resumes where it stopped:
+Round r trains the previous round's head further on the source conversations up to `rounds[r]`
+that no earlier round read (`train-head --first-conversation`), so each conversation costs its
+features and epochs once, and measures it on the dev set per category and tree shape. With
+`self_distil` the conversations are first answered by the target (`distill-data`) and the rounds
+count distilled conversations; without it the head learns the target's next-token distribution
+on the source's own answers, which costs no generation. Every stage resumes where it stopped:
 distillation after the records already written, feature caching after its last shard, training
 from its last checkpoint (every `checkpoint_every` optimizer steps), and a round's measurement is
-redone if it was cut short. The learning curve, one record per finished round, is
-`OUT/head_training.json`; `OUT/best-head` is the head of the round that measured best. After the
-first round the shipped head is measured once on the same dev set (`OUT/shipped_head.json`), the
-figure a round's head must beat.
-"""
+redone if it was cut short. A measured round's cached features are deleted (a later round never
+reads them). The learning curve, one record per finished round, is `OUT/head_training.json`;
+`OUT/best-head` is the head of the round that measured best. After the first round the shipped
+head is measured once on the same dev set (`OUT/shipped_head.json`), the figure a round's head
+must beat."""
 
 from __future__ import annotations
 
@@ -34,9 +36,11 @@ class CampaignConfig:
     out: Path
     dev_set: Path
     data: str = "sharegpt"  # the source conversations (load_conversations)
-    rounds: tuple[int, ...] = (1000, 2000, 4000, 8000, 17500)  # conversations distilled
+    # source conversations read by the end of each round
+    rounds: tuple[int, ...] = (500, 1000, 2000, 3000, 4000, 6000, 8000, 10000, 12500, 15000, 17500)
+    self_distil: bool = False  # train on the target's answers (distilled first), not the source's
     arch: str = "eagle3"
-    epochs: int = 4
+    epochs: int = 2
     batch_tokens: int = 1024  # per optimizer step: a round's few new conversations need many steps
     draft_vocab_size: int = 8192
     unroll_steps: int = 3
@@ -60,7 +64,7 @@ def run_campaign(config: CampaignConfig) -> Path:
     for index, conversations in enumerate(config.rounds):
         if index < len(curve):
             continue
-        data = _distilled(config, out, conversations)
+        data = _distilled(config, out, conversations) if config.self_distil else config.data
         first = config.rounds[index - 1] if index else 0
         previous = out / f"round-{first}" / "head" if index else None
         folder = out / f"round-{conversations}"
@@ -82,6 +86,7 @@ def run_campaign(config: CampaignConfig) -> Path:
             }
         )
         curve_path.write_text(json.dumps(curve, indent=2) + "\n")
+        _drop_features(folder)
         _keep_best(out, curve)
         _measure_shipped(config, out, dev_set)
     return curve_path
@@ -139,6 +144,15 @@ def _tokens_trained(folder: Path) -> int:
     tokens = sum(int(load_file(str(s))["token_ids"].numel()) for s in shards)
     epochs = max((json.loads(r).get("epoch", 0) for r in _log_lines(folder)), default=0)
     return tokens * epochs
+
+
+def _drop_features(folder: Path) -> None:
+    """Delete a measured round's cached features (about 4.6 KB a token for EAGLE-3)."""
+    for features in folder.glob("features*"):
+        if features.is_symlink():
+            features.unlink()
+        else:
+            shutil.rmtree(features)
 
 
 def _log_lines(folder: Path) -> list[str]:

@@ -1,16 +1,19 @@
-"""`aerie head-campaign`: rounds of distillation, training and dev-set measurement that a rerun
-resumes instead of redoing."""
+"""`aerie head-campaign`: rounds of training (on the source's answers, or the target's own) and
+dev-set measurement that a rerun resumes instead of redoing."""
 
 from __future__ import annotations
 
 import json
+from itertools import islice
 
 import pytest
-from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from drafting.training import campaign
 from drafting.training.campaign import CampaignConfig, run_campaign
+from drafting.training.data import HOLDOUT_EVERY, load_conversations, tokenize_conversation
 from drafting.training.dev_set import CATEGORIES, category_of
+from server.cli import main
 from tests.drafting.test_distill import write_multi_turn
 
 
@@ -32,46 +35,72 @@ def test_prompts_are_sorted_into_categories():
     assert category_of("Write a travel blog post about Hawaii") == "writing"
 
 
-def conversations_in(round_folder) -> int:
-    shards = round_folder.glob("features*/shard-*.safetensors")
-    return sum(len(load_file(str(shard))["lengths"]) for shard in shards)
+def tokens_in(target, data, first: int, stop: int, max_tokens: int) -> int:
+    """Training tokens in conversations [first, stop) of `data`, held-out ones skipped."""
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    conversations = islice(load_conversations(str(data)), first, stop)
+    return sum(
+        len(tokenize_conversation(tokenizer, messages, max_tokens).token_ids)
+        for index, messages in enumerate(conversations, first)
+        if index % HOLDOUT_EVERY
+    )
 
 
-@pytest.mark.slow
-def test_rounds_record_a_learning_curve_and_a_rerun_resumes(
-    bigram_target, random_head, tmp_path, monkeypatch
-):
-    monkeypatch.setattr(campaign, "shipped_head", lambda target: random_head)
-    data = write_multi_turn(tmp_path / "source.jsonl", [2, 1, 3, 1, 2, 2, 1, 1, 2, 1])
-    config = CampaignConfig(
-        str(bigram_target),
+def campaign_config(target, tmp_path, data, self_distil: bool) -> CampaignConfig:
+    return CampaignConfig(
+        str(target),
         tmp_path / "run",
         write_dev_set(tmp_path / "dev.jsonl"),
         data=str(data),
         rounds=(4, 8),
+        self_distil=self_distil,
         epochs=1,
         draft_vocab_size=64,
         unroll_steps=2,
         max_tokens=12,
         eval_max_tokens=8,
-        train=dict(batch_tokens=256, eval_conversations=1, eval_max_tokens=4, max_tokens=128),
+        train=dict(
+            batch_tokens=256, epochs=2, eval_conversations=1, eval_max_tokens=4, max_tokens=128
+        ),
     )
+
+
+@pytest.fixture
+def source(tmp_path, random_head, monkeypatch):
+    """Ten multi-turn conversations, with the random head standing in for the shipped one."""
+    monkeypatch.setattr(campaign, "shipped_head", lambda target: random_head)
+    return write_multi_turn(tmp_path / "source.jsonl", [2, 1, 3, 1, 2, 2, 1, 1, 2, 1])
+
+
+def assert_rounds_read_new_conversations_twice(curve, target, data) -> int:
+    """Each round read, for 2 epochs, the conversations no earlier round read (the first is held
+    out); returns the first round's tokens."""
+    first, second = (tokens_in(target, data, a, b, 128) for a, b in [(0, 4), (4, 8)])
+    assert curve[0]["training_tokens_seen"] == 2 * first
+    assert curve[1]["training_tokens_seen"] == 2 * (first + second)
+    return first
+
+
+@pytest.mark.slow
+def test_rounds_train_on_new_source_conversations_and_a_rerun_resumes(
+    bigram_target, random_head, source, tmp_path
+):
+    config = campaign_config(bigram_target, tmp_path, source, self_distil=False)
     curve_path = run_campaign(config)
 
     curve = json.loads(curve_path.read_text())
     assert [r["conversations"] for r in curve] == [4, 8]
-    assert curve[0]["recipe"] == {"epochs": 1, "batch_tokens": 256}  # as trained, override too
-    assert curve[1]["training_tokens_seen"] > curve[0]["training_tokens_seen"] > 0
-    # each round trains on the conversations distilled since the last (the first is held out)
-    assert conversations_in(tmp_path / "run" / "round-4") == 3
-    assert conversations_in(tmp_path / "run" / "round-8") == 4
+    assert curve[0]["recipe"] == {"epochs": 2, "batch_tokens": 256}  # as trained, override too
+    assert_rounds_read_new_conversations_twice(curve, bigram_target, source)
     for record in curve:
         for by_category in record["acceptance_length"].values():
             assert set(by_category) == {*CATEGORIES, "all"}
             assert all(length >= 1.0 for length in by_category.values())
-    assert (tmp_path / "run" / "best-head" / "config.json").is_file()
-    assert len((tmp_path / "run" / "distilled.jsonl").read_text().splitlines()) == 8
-    shipped = json.loads((tmp_path / "run" / "shipped_head.json").read_text())
+    run = tmp_path / "run"
+    assert not list(run.glob("round-*/features*"))  # measured rounds drop their features
+    assert not (run / "distilled.jsonl").exists()
+    assert (run / "best-head" / "config.json").is_file()
+    shipped = json.loads((run / "shipped_head.json").read_text())
     assert shipped["head"] == str(random_head)
     assert shipped["acceptance_length"].keys() == curve[0]["acceptance_length"].keys()
 
@@ -83,3 +112,24 @@ def test_rounds_record_a_learning_curve_and_a_rerun_resumes(
     run_campaign(config)
     again = json.loads(curve_path.read_text())
     assert [r["conversations"] for r in again] == [4, 8]
+
+
+@pytest.mark.slow
+def test_self_distilled_rounds_train_on_the_targets_answers(bigram_target, source, tmp_path):
+    config = campaign_config(bigram_target, tmp_path, source, self_distil=True)
+    curve = json.loads(run_campaign(config).read_text())
+
+    distilled = tmp_path / "run" / "distilled.jsonl"
+    assert len(distilled.read_text().splitlines()) == 8
+    first = assert_rounds_read_new_conversations_twice(curve, bigram_target, distilled)
+    assert first != tokens_in(bigram_target, source, 0, 4, 128)  # the target's answers, not these
+
+
+@pytest.mark.parametrize(("flag", "self_distil"), [([], False), (["--self-distil"], True)])
+def test_the_command_line_builds_the_campaign_it_names(flag, self_distil, tmp_path, monkeypatch):
+    configs = []
+    monkeypatch.setattr(campaign, "run_campaign", lambda config: configs.append(config) or "")
+    argv = ["head-campaign", "--out", str(tmp_path), "--dev-set", "dev.jsonl", "--rounds", "5,9"]
+    main(argv + flag + ["--epochs", "3"])
+    assert configs[0].self_distil is self_distil
+    assert (configs[0].rounds, configs[0].epochs) == ((5, 9), 3)
