@@ -19,11 +19,11 @@ from head_training import machine_name
 
 from drafting.training.dev_set import read_dev_set
 from drafting.training.evaluation import acceptance_lengths
+from engine.execution.model_files import DEFAULT_MODEL
 
 from plotting import png_figure
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m-instruct"
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     results["machine"] = machine_name()
     for item in args.heads:
         label, head = item.split("=", 1)
-        lengths = acceptance_lengths(MODEL, head, dev_set, max_tokens=128)
+        lengths = acceptance_lengths(DEFAULT_MODEL, head, dev_set, max_tokens=128)
         results["recipes"][label] = {"head": head, "acceptance_length": lengths}
         print(label, json.dumps(lengths))
         args.out.write_text(json.dumps(results, indent=2) + "\n")

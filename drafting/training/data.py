@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from engine.errors import AerieError
@@ -115,6 +116,24 @@ def _trimmed(messages: list[Message]) -> list[Message]:
     start = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
     messages = messages[start:]
     return messages if any(m["role"] == "assistant" for m in messages) else []
+
+
+def is_held_out(index: int) -> bool:
+    """Whether source conversation `index` belongs to the held-out slice (never trained on)."""
+    return index % HOLDOUT_EVERY == 0
+
+
+def training_conversations(
+    source: str, tokenizer, first: int, stop: int | None, max_tokens: int
+) -> Iterator[TokenizedConversation]:
+    """The tokenized conversations [first, stop) of `source` that training reads: held-out ones
+    skipped, and those with no assistant token in their first `max_tokens`."""
+    for index, messages in enumerate(islice(load_conversations(source), first, stop), first):
+        if is_held_out(index):
+            continue
+        tokenized = tokenize_conversation(tokenizer, messages, max_tokens)
+        if tokenized is not None:
+            yield tokenized
 
 
 def tokenize_conversation(

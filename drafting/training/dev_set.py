@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from drafting.training.data import HOLDOUT_EVERY, load_conversations
+from drafting.training.data import is_held_out, load_conversations
 
 CATEGORIES = ("writing", "code", "reasoning")
 _MT_BENCH_CATEGORIES = {
@@ -70,7 +70,7 @@ def _mt_bench(path: Path) -> Iterator[tuple[str, str]]:
 
 def _held_out(sharegpt: str) -> Iterator[tuple[str, str]]:
     for index, messages in enumerate(load_conversations(sharegpt)):
-        if index % HOLDOUT_EVERY == 0 and messages[0]["role"] == "user":
+        if is_held_out(index) and messages[0]["role"] == "user":
             prompt = messages[0]["content"]
             if 8 <= len(prompt) <= 2000:
                 yield category_of(prompt), prompt

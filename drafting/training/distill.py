@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from drafting.training.data import HOLDOUT_EVERY, Message, load_conversations
+from drafting.training.data import Message, is_held_out, load_conversations
 from engine.llm import LLM
 from engine.outputs import RequestOutput
 from engine.sampling.sampling_params import SamplingParams
@@ -171,7 +171,7 @@ def _is_sampled(index: int, share: float) -> bool:
 def _training_conversations(config: DistillConfig) -> Iterator[tuple[int, list[Message]]]:
     """(index, messages) of each source conversation outside the held-out slice."""
     for index, messages in enumerate(load_conversations(config.data)):
-        if index % HOLDOUT_EVERY != 0:
+        if not is_held_out(index):
             yield index, messages
 
 

@@ -19,7 +19,6 @@ import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ from tqdm import tqdm
 from drafting.eagle3_head import Eagle3Head, Eagle3Spec, default_feature_layers
 from drafting.head import EagleHead, HeadSpec
 from drafting.head_loader import DraftHead, load_head, save_head
-from drafting.training.data import HOLDOUT_EVERY, load_conversations, tokenize_conversation
+from drafting.training.data import is_held_out, load_conversations, training_conversations
 from drafting.training.features import target_features
 from drafting.training.objective import TrainingExample, head_losses
 from engine.errors import AerieError
@@ -125,15 +124,14 @@ class HeadTrainer:
         return sorted(folder.glob("shard-*.safetensors"))
 
     def _training_conversations(self):
-        tokenizer = self.llm.get_tokenizer()
-        first, stop = self.config.first_conversation, self.config.max_conversations
-        conversations = islice(load_conversations(self.config.data), first, stop or None)
-        for index, messages in enumerate(conversations, first):
-            if index % HOLDOUT_EVERY == 0:
-                continue
-            tokenized = tokenize_conversation(tokenizer, messages, self.config.max_tokens)
-            if tokenized is not None:
-                yield tokenized
+        config = self.config
+        return training_conversations(
+            config.data,
+            self.llm.get_tokenizer(),
+            config.first_conversation,
+            config.max_conversations or None,
+            config.max_tokens,
+        )
 
     def held_out_prompts(self) -> list[list[int]]:
         """First user turns (after any system message) of held-out conversations, through the
@@ -141,7 +139,7 @@ class HeadTrainer:
         prompts = []
         for index, messages in enumerate(load_conversations(self.config.data)):
             first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
-            if index % HOLDOUT_EVERY == 0 and first_user is not None:
+            if is_held_out(index) and first_user is not None:
                 prompts.append(self.llm.apply_chat_template(messages[: first_user + 1]))
             if len(prompts) == self.config.eval_conversations:
                 break

@@ -4,14 +4,13 @@ dev-set measurement that a rerun resumes instead of redoing."""
 from __future__ import annotations
 
 import json
-from itertools import islice
 
 import pytest
 from transformers import AutoTokenizer
 
 from drafting.training import campaign
 from drafting.training.campaign import CampaignConfig, run_campaign
-from drafting.training.data import HOLDOUT_EVERY, load_conversations, tokenize_conversation
+from drafting.training.data import training_conversations
 from drafting.training.dev_set import CATEGORIES, category_of
 from server.cli import main
 from tests.drafting.test_distill import write_multi_turn
@@ -36,14 +35,10 @@ def test_prompts_are_sorted_into_categories():
 
 
 def tokens_in(target, data, first: int, stop: int, max_tokens: int) -> int:
-    """Training tokens in conversations [first, stop) of `data`, held-out ones skipped."""
+    """Training tokens in conversations [first, stop) of `data`, as the trainer selects them."""
     tokenizer = AutoTokenizer.from_pretrained(target)
-    conversations = islice(load_conversations(str(data)), first, stop)
-    return sum(
-        len(tokenize_conversation(tokenizer, messages, max_tokens).token_ids)
-        for index, messages in enumerate(conversations, first)
-        if index % HOLDOUT_EVERY
-    )
+    conversations = training_conversations(str(data), tokenizer, first, stop, max_tokens)
+    return sum(len(c.token_ids) for c in conversations)
 
 
 def campaign_config(target, tmp_path, data, self_distil: bool) -> CampaignConfig:
