@@ -17,10 +17,10 @@ import json
 from pathlib import Path
 
 from engine import LLM, SamplingParams
+from engine.execution.model_files import DEFAULT_MODEL
 from engine.spec.draft_method import resolve_draft
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
 SHAPES = "2,3,4;4,5,16;8,6,32"  # top_k,depth,total_tokens per shape
 
@@ -41,8 +41,8 @@ def main() -> None:
     for head in args.heads:
         for top_k, depth, total in shapes:
             llm = LLM(
-                MODEL,
-                draft=resolve_draft(MODEL, head),
+                DEFAULT_MODEL,
+                draft=resolve_draft(DEFAULT_MODEL, head),
                 adaptive_draft_budget=False,
                 draft_top_k=top_k,
                 draft_depth=depth,
@@ -59,7 +59,11 @@ def main() -> None:
             results.append({**row, "acceptance_length": tokens / passes})
             print(results[-1], flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"model": MODEL, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens}
+    settings = {
+        "model": DEFAULT_MODEL,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+    }
     name = f"acceptance_{args.tag}.json" if args.tag else "acceptance.json"
     (args.out_dir / name).write_text(
         json.dumps({"settings": settings, "results": results}, indent=2) + "\n"

@@ -25,21 +25,21 @@ from tqdm import tqdm
 
 from drafting.shipped_heads import shipped_head
 from engine import LLM, SamplingParams
+from engine.execution.model_files import DEFAULT_MODEL
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
 
 
 def engines(head: str) -> dict[str, LLM]:
     small_pool = dict(kv_cache_memory_gib=0.3)
-    always = LLM(MODEL, draft=head, **small_pool)
+    always = LLM(DEFAULT_MODEL, draft=head, **small_pool)
     always.engine.policy.controller.choose = lambda num_decoding: True
     return {
-        "ar": LLM(MODEL, draft=None, **small_pool),
-        "controller": LLM(MODEL, draft=head, **small_pool),
+        "ar": LLM(DEFAULT_MODEL, draft=None, **small_pool),
+        "controller": LLM(DEFAULT_MODEL, draft=head, **small_pool),
         "drafting every step": always,
-        "whole trees": LLM(MODEL, draft=head, adaptive_draft_budget=False, **small_pool),
+        "whole trees": LLM(DEFAULT_MODEL, draft=head, adaptive_draft_budget=False, **small_pool),
     }
 
 
@@ -52,7 +52,11 @@ def main() -> None:
     args = parser.parse_args()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     scratch = tempfile.TemporaryDirectory()
-    head = useless_head(MODEL, Path(scratch.name)) if args.useless_head else shipped_head(MODEL)
+    head = (
+        useless_head(DEFAULT_MODEL, Path(scratch.name))
+        if args.useless_head
+        else shipped_head(DEFAULT_MODEL)
+    )
     llms = engines(str(head))
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     prompts = [
@@ -76,7 +80,7 @@ def main() -> None:
     for name, result in results.items():
         print(f"{name:>20}: {result['tok_s']:.1f} tokens/s, {result['vs_ar']:.3f}x AR")
     settings = {
-        "model": MODEL,
+        "model": DEFAULT_MODEL,
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "head": "useless (random weights)" if args.useless_head else "shipped",

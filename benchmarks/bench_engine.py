@@ -54,14 +54,13 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.execution.model_files import resolve_model_path
+from engine.execution.model_files import DEFAULT_MODEL, resolve_model_path
 from engine.spec.draft_method import resolve_draft
 from engine.stats import StepStats
 
 from plotting import png_figure
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
 WARMUP_PROMPT = "Say hello and introduce yourself in two sentences."
 
@@ -162,7 +161,7 @@ def aerie_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def load_hf_model(device: str):
-    path = resolve_model_path(MODEL)
+    path = resolve_model_path(DEFAULT_MODEL)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.to(device).eval()
 
@@ -459,7 +458,7 @@ def plot(summary: dict, machine: dict, settings: dict, path: Path) -> None:
         ax.set_ylabel("output tokens/s")
         ax.set_ylim(0, max(values) * 1.25)
         ax.set_title(
-            f"{MODEL} fp32, greedy, {settings['max_tokens']} new tokens, "
+            f"{DEFAULT_MODEL} fp32, greedy, {settings['max_tokens']} new tokens, "
             f"{s['num_prompts']} MT-bench prompts\n"
             f"{machine['cpu_model']}, {machine['torch_threads']} threads; "
             f"identical outputs {s['identical_outputs']}/{s['num_prompts']}",
@@ -479,12 +478,14 @@ def main(argv: list[str] | None = None) -> None:
         enable_prefix_caching=args.prefix_caching,
         max_num_seqs=max(64, args.batch),
     )
-    llms = {"aerie": LLM(model=MODEL, draft=None, **options)}
+    llms = {"aerie": LLM(model=DEFAULT_MODEL, draft=None, **options)}
     if args.torch_compile:
-        llms["compiled"] = LLM(model=MODEL, draft=None, enable_torch_compile=True, **options)
-    draft = resolve_draft(MODEL, args.draft)
+        llms["compiled"] = LLM(
+            model=DEFAULT_MODEL, draft=None, enable_torch_compile=True, **options
+        )
+    draft = resolve_draft(DEFAULT_MODEL, args.draft)
     if draft:
-        llms["spec"] = LLM(model=MODEL, draft=draft, **options)
+        llms["spec"] = LLM(model=DEFAULT_MODEL, draft=draft, **options)
     phases = {size: {name: PhaseTimes() for name in llms} for size in ("batch1", "batch")}
     model = load_hf_model(args.device)
     eos_id = llms["aerie"].get_tokenizer().eos_token_id
@@ -505,8 +506,8 @@ def main(argv: list[str] | None = None) -> None:
 
     machine["load_average_1_5_15_at_end"] = list(os.getloadavg())
     settings = {
-        "model": MODEL,
-        "model_path": str(resolve_model_path(MODEL)),
+        "model": DEFAULT_MODEL,
+        "model_path": str(resolve_model_path(DEFAULT_MODEL)),
         "dtype": "float32",
         "device": args.device,
         "num_prompts": args.num_prompts,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.execution.model_files import load_tokenizer, resolve_model_path
+from engine.execution.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 
 SCHEMA = {
     "type": "object",
@@ -127,7 +127,7 @@ def _summary(compile_s, mask_times, apply_s, rollback_s) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--out", default="benchmarks/results/grammar_engines.json")
     args = parser.parse_args()
     path = resolve_model_path(args.model)

@@ -45,12 +45,12 @@ from random_head import useless_head
 from tqdm import tqdm
 
 from engine import LLM, SamplingParams
+from engine.execution.model_files import DEFAULT_MODEL
 from engine.stats import StepStats
 
 from plotting import png_figure
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
 
 
@@ -191,10 +191,10 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     options = dict(max_num_seqs=max(64, *batches), kv_cache_memory_gib=1.0)
     scratch = tempfile.TemporaryDirectory()
-    head = useless_head(MODEL, Path(scratch.name)) if args.useless_head else "auto"
+    head = useless_head(DEFAULT_MODEL, Path(scratch.name)) if args.useless_head else "auto"
     llms = {
-        "ar": LLM(MODEL, draft=None, **options),
-        "eagle": LLM(MODEL, draft=str(head), **options),
+        "ar": LLM(DEFAULT_MODEL, draft=None, **options),
+        "eagle": LLM(DEFAULT_MODEL, draft=str(head), **options),
     }
     if args.never_draft:
         llms["eagle"].engine.policy.controller.choose = lambda num_decoding: False
@@ -235,7 +235,12 @@ def main() -> None:
             f" {row['eagle']['ms_per_prompt_token']:.2f} ms a prompt token)"
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"model": MODEL, "max_tokens": args.max_tokens, "rounds": args.rounds, **options}
+    settings = {
+        "model": DEFAULT_MODEL,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        **options,
+    }
     settings["head"] = "useless (random weights)" if args.useless_head else "shipped"
     settings["controller"] = "fixed to plain steps" if args.never_draft else "default"
     settings["arrivals"] = (

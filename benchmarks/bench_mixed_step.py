@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from engine.execution.layers.paged_attention import SequenceAttention, build_attention_metadata
+from engine.execution.model_files import DEFAULT_MODEL
 from engine.llm import LLM
 
 from plotting import png_figure
@@ -40,7 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args()
-    llm = LLM("smollm2-135m-instruct", draft=None, num_kv_blocks=4096, block_size=BLOCK_SIZE)
+    llm = LLM(DEFAULT_MODEL, draft=None, num_kv_blocks=4096, block_size=BLOCK_SIZE)
     runner = llm.engine.runner
     results = []
     for batch in tqdm(BATCHES, desc="batch sizes"):
@@ -61,7 +62,7 @@ def main() -> None:
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     settings = {
-        "model": "smollm2-135m-instruct",
+        "model": DEFAULT_MODEL,
         "context": CONTEXT,
         "chunk": CHUNK,
         "threads": torch.get_num_threads(),

@@ -39,6 +39,7 @@ from engine.execution.layers.cpu_kernels import use_cpu_kernels
 from engine.execution.layers.cpu_linear import cpu_linears
 from engine.execution.layers.direct_call import DirectCallModule
 from engine.execution.layers.rotary import RotaryEmbedding
+from engine.execution.model_files import DEFAULT_MODEL
 from engine.llm import LLM
 
 from plotting import png_figure
@@ -119,7 +120,7 @@ def linear_chain(model: nn.Module) -> Callable[[], float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args()

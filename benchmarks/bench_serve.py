@@ -53,7 +53,7 @@ import transformers
 from random_head import useless_head
 from tqdm import tqdm
 
-from engine.execution.model_files import resolve_model_path
+from engine.execution.model_files import DEFAULT_MODEL, resolve_model_path
 from server.serving_benchmark import (
     BenchConfig,
     load_prompts,
@@ -63,7 +63,6 @@ from server.serving_benchmark import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
 USELESS_HEAD = REPO_ROOT / "runs" / "useless-head"
 SERVERS = {
@@ -101,7 +100,7 @@ def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
     of this shared machine hits them alike, and a process that happens to run slow (where its
     memory and threads landed) is one round's, not the whole run's."""
     if "aerie-spec-useless" in labels:
-        useless_head(MODEL, USELESS_HEAD)
+        useless_head(DEFAULT_MODEL, USELESS_HEAD)
     rounds = {label: [[] for _ in levels] for label in labels}  # per label, per level: rounds
     for round_index in range(args.rounds):
         order = labels if round_index % 2 == 0 else labels[::-1]
@@ -243,7 +242,7 @@ class running_server:
 
 def transformers_sweep(args, levels) -> dict:
     """Batched `generate` throughput: num_prompts prompts per level, in batches of C."""
-    path = resolve_model_path(MODEL)
+    path = resolve_model_path(DEFAULT_MODEL)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     conversations = load_prompts(Path(args.prompts), args.category)
@@ -281,7 +280,7 @@ def transformers_sweep(args, levels) -> dict:
         )
     return {
         "label": "transformers",
-        "model": MODEL,
+        "model": DEFAULT_MODEL,
         "settings": {"batched": True},
         "levels": results,
     }

@@ -21,12 +21,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine import LLM, SamplingParams
+from engine.execution.model_files import DEFAULT_MODEL
 from engine.spec.draft_method import resolve_draft
 
 from plotting import png_figure
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
 
 
@@ -75,16 +75,16 @@ def timed(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, f
 
 def main() -> None:
     args = parse_args()
-    draft = resolve_draft(MODEL, args.draft)
+    draft = resolve_draft(DEFAULT_MODEL, args.draft)
     if not draft:
         raise SystemExit("no draft head: pass --draft HEAD_FOLDER")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
-    plain = LLM(MODEL, draft=None)
+    plain = LLM(DEFAULT_MODEL, draft=None)
     prompts = prompts_of(plain, args.num_prompts)
     results = []
     for top_k, depth, total in tqdm(shapes(args), desc="tree shapes"):
         spec = LLM(
-            MODEL,
+            DEFAULT_MODEL,
             draft=draft,
             draft_top_k=top_k,
             draft_depth=depth,
@@ -115,7 +115,7 @@ def main() -> None:
     results.sort(key=lambda r: -r["speedup"])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     settings = {
-        "model": MODEL,
+        "model": DEFAULT_MODEL,
         "draft": draft,
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
@@ -151,7 +151,9 @@ def plot(results: list[dict], path: Path) -> None:
         right.set(xlabel="total_tokens (tree nodes verified)", ylabel="speedup over AR (batch 1)")
         right.axhline(1.0, color="grey", linewidth=0.8)
         right.legend(fontsize=7, ncol=2)
-        left.figure.suptitle(f"{MODEL}: EAGLE-2 tree shapes, greedy MT-bench first turns, batch 1")
+        left.figure.suptitle(
+            f"{DEFAULT_MODEL}: EAGLE-2 tree shapes, greedy MT-bench first turns, batch 1"
+        )
 
 
 if __name__ == "__main__":

@@ -33,11 +33,11 @@ from pathlib import Path
 from bench_engine import machine_info
 
 from engine import LLM, SamplingParams
+from engine.execution.model_files import DEFAULT_MODEL
 
 from plotting import png_figure
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "smollm2-135m-instruct"
 QUESTIONS = REPO_ROOT / "benchmarks" / "data" / "mt_bench_questions.jsonl"
 SPECULATIVE_TOKENS = 3
 AERIE_CHAIN = dict(draft_top_k=1, draft_depth=SPECULATIVE_TOKENS, draft_total_tokens=4)
@@ -78,7 +78,7 @@ def main() -> None:
         "head": str(head),
         "machine": machine,
         "settings": {
-            "model": MODEL,
+            "model": DEFAULT_MODEL,
             "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens,
             "greedy": True,
@@ -106,7 +106,7 @@ def main() -> None:
 
 
 def run_aerie(head: Path, num_prompts: int, max_tokens: int) -> dict:
-    llm = LLM(MODEL, draft=str(head), adaptive_draft_budget=False, **AERIE_CHAIN)
+    llm = LLM(DEFAULT_MODEL, draft=str(head), adaptive_draft_budget=False, **AERIE_CHAIN)
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     prompt_ids = [
         llm.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
@@ -139,7 +139,7 @@ def vllm_command(venv: Path, head: Path, port: int, enforce_eager: bool) -> list
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(cache / MODEL),
+        str(cache / DEFAULT_MODEL),
         "--served-model-name",
         SERVED_NAME,
         "--host",

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from engine.execution.layers.cpu_linear import ONEDNN, CpuLinear, LinearKernels, formats_available
 from engine.execution.layers.weight_layout import column_major
+from engine.execution.model_files import DEFAULT_MODEL
 from engine.llm import LLM
 
 from plotting import png_figure
@@ -88,7 +89,7 @@ def time_pass(runner, num_tokens: int, per_sequence: int, repeats: int = 3) -> f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     parser.add_argument("--tag", default="", help="write weight_layout_TAG.json and .png")

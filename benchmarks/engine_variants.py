@@ -18,11 +18,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine import LLM, SamplingParams
+from engine.execution.model_files import DEFAULT_MODEL
 
 from bench_load_overhead import run_round, summarize
 from plotting import png_figure
 
-MODEL = "smollm2-135m-instruct"
 QUESTIONS = Path(__file__).resolve().parent / "data" / "mt_bench_questions.jsonl"
 
 
@@ -37,7 +37,7 @@ def compare_variants(
     """Run every engine (name -> LLM options beside the model's; the first is the reference) at
     each batch size; write the results to `out` (JSON) and a plot beside it (PNG)."""
     options = dict(max_num_seqs=max(64, *batches), kv_cache_memory_gib=1.0)
-    llms = {name: LLM(MODEL, **engine, **options) for name, engine in engines.items()}
+    llms = {name: LLM(DEFAULT_MODEL, **engine, **options) for name, engine in engines.items()}
     reference = next(iter(llms))
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
     prompts = [
@@ -66,7 +66,7 @@ def compare_variants(
         results.append(row)
         print(f"batch {batch}: " + "; ".join(_line(name, row[name]) for name in llms))
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"model": MODEL, "max_tokens": max_tokens, "reference": reference, **options}
+    settings = {"model": DEFAULT_MODEL, "max_tokens": max_tokens, "reference": reference, **options}
     settings["engines"] = engines
     out.write_text(json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
     plot(results, list(llms), title, out.with_suffix(".png"))

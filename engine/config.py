@@ -10,6 +10,7 @@ import torch
 
 from engine.errors import AerieError
 from engine.execution.layers.flash_attention import BACKENDS as ATTENTION_BACKENDS
+from engine.execution.model_files import DEFAULT_MODEL
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -18,7 +19,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineConfig:
     """Settings of one engine instance. Counts are `num_*`, limits `max_*`."""
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "float32" | "bfloat16" | "float16"
     block_size: int = 16

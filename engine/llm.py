@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.errors import AerieError
+from engine.execution.model_files import DEFAULT_MODEL
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling.sampling_params import SamplingParams
@@ -26,7 +27,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str = "smollm2-135m-instruct",
+        model: str = DEFAULT_MODEL,
         draft: str | None = "auto",
         **engine_options: Any,
     ) -> None:

@@ -9,9 +9,8 @@ import dataclasses
 import sys
 
 from engine.errors import AerieError
+from engine.execution.model_files import DEFAULT_MODEL
 from server.engine_args import add_engine_arguments, engine_config_from_args
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from server.cli import DEFAULT_MODEL
+from engine.execution.model_files import DEFAULT_MODEL
 from tests.server.conftest import LiveServer, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

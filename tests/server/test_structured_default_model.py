@@ -17,7 +17,7 @@ from typing import Annotated
 import pytest
 from pydantic import BaseModel, Field, StringConstraints
 
-from server.cli import DEFAULT_MODEL
+from engine.execution.model_files import DEFAULT_MODEL
 from tests.server.conftest import LiveServer, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
