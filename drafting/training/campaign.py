@@ -44,6 +44,7 @@ class CampaignConfig:
     batch_tokens: int = 1024  # per optimizer step: a round's few new conversations need many steps
     draft_vocab_size: int = 8192
     unroll_steps: int = 3
+    prompt_loss: bool = True  # also learn the target's next token inside user turns
     max_tokens: int = 512  # per distilled answer
     sampled_share: float = 0.25
     eval_max_tokens: int = 128
@@ -79,7 +80,11 @@ def run_campaign(config: CampaignConfig) -> Path:
                 "round": index,
                 "conversations": conversations,
                 "arch": config.arch,
-                "recipe": {"epochs": train.epochs, "batch_tokens": train.batch_tokens},
+                "recipe": {
+                    "epochs": train.epochs,
+                    "batch_tokens": train.batch_tokens,
+                    "prompt_loss": train.prompt_loss,
+                },
                 "training_tokens_seen": seen,
                 "acceptance_length": acceptance,
                 "head": str(head),
@@ -123,6 +128,7 @@ def _train_config(
         batch_tokens=config.batch_tokens,
         draft_vocab_size=config.draft_vocab_size,
         unroll_steps=config.unroll_steps,
+        prompt_loss=config.prompt_loss,
         init_head=str(previous) if previous else None,
         resume=(folder / "checkpoint.pt").exists(),
     )

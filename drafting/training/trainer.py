@@ -18,7 +18,7 @@ import random
 import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +61,9 @@ class TrainConfig:
     eval_max_tokens: int = 64
     draft_vocab_size: int = 0  # > 0: the head proposes only the most frequent assistant tokens
     unroll_steps: int = 1  # > 1: also train on the head's own predictions (drafting depths 2..)
+    # also learn the target's next token inside user and system turns: their features are cached
+    # and the head runs over them anyway, so these labels cost only their share of the loss
+    prompt_loss: bool = False
     init_head: str | None = None  # start from this head's weights (and its draft vocabulary)
     resume: bool = False
     seed: int = 0
@@ -177,7 +180,9 @@ class HeadTrainer:
         if self.config.init_head:
             head = self._initial_head(self.config.init_head)
         else:
-            head = self._new_head(examples)
+            head = self._new_head(examples)  # its draft vocabulary: the answers' tokens
+        if self.config.prompt_loss:
+            examples = [replace(e, loss_mask=torch.ones_like(e.loss_mask)) for e in examples]
         optimizer = torch.optim.AdamW(head.parameters(), lr=self.config.lr, weight_decay=0.0)
         steps_per_epoch = max(
             1, sum(len(e.token_ids) for e in examples) // self.config.batch_tokens

@@ -235,3 +235,39 @@ def test_fine_tuning_a_head_unrolled_starts_from_its_weights(bigram_target, trai
     tuned = first_step("tuned", unroll_steps=3, init_head=str(trained_head))
     assert len(scratch["accuracy"]) == len(tuned["accuracy"]) == 3  # one per drafting depth
     assert tuned["feature"] < scratch["feature"]  # the trained head already predicts features
+
+
+@pytest.mark.slow
+def test_prompt_loss_also_teaches_the_user_turns_and_keeps_the_answers_vocabulary(
+    bigram_target, tmp_path
+):
+    """With prompt_loss the head learns the target's next token inside user turns too (its loss
+    there drops below a head trained on the answers only), while its draft vocabulary is still
+    the answers' most frequent tokens."""
+
+    def trained(prompt_loss: bool):
+        (tmp_path / str(prompt_loss)).mkdir()
+        config = quick_config(
+            bigram_target, tmp_path / str(prompt_loss), 40, arch="eagle3", epochs=3,
+            draft_vocab_size=48, prompt_loss=prompt_loss,
+        )  # fmt: skip
+        return load_head(train_head(config), spec, 256, torch.device("cpu"), torch.float32)
+
+    def user_turn_loss(head) -> float:
+        torch.manual_seed(0)  # the same feature noise for both heads
+        with torch.no_grad():
+            return head_losses(head, target, user_turns)[1].token
+
+    llm = LLM(str(bigram_target), draft=None)
+    spec, target = llm.engine.spec, llm.engine.runner.model
+    answers_only, with_prompts = trained(False), trained(True)
+    assert torch.equal(answers_only.draft_vocab, with_prompts.draft_vocab)
+    tokenizer = load_tokenizer(str(bigram_target))
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", 8, seed=1)
+    user_turns = []
+    for messages in load_conversations(str(held_out)):
+        tokenized = tokenize_conversation(tokenizer, messages, max_tokens=128)
+        ids = torch.tensor(tokenized.token_ids)
+        features = target_features(target, [tokenized.token_ids])[0]
+        user_turns.append(TrainingExample(ids, features, ~torch.tensor(tokenized.loss_mask)))
+    assert user_turn_loss(with_prompts) < user_turn_loss(answers_only)
