@@ -53,10 +53,10 @@ def plot(recipes: dict, path: Path) -> None:
     with png_figure(path, ncols=len(shapes), figsize=(5 * len(shapes), 4)) as axes:
         for ax, shape in zip(axes if len(shapes) > 1 else [axes], shapes):
             values = [recipes[label]["acceptance_length"][shape]["all"] for label in labels]
-            ax.bar(labels, values)
+            ax.bar(range(len(labels)), values)
+            ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
             ax.set(title=f"tree {shape}", ylabel="acceptance length (dev set)")
             ax.set_ylim(1.0, max(values) * 1.1)
-            ax.tick_params(axis="x", rotation=30)
 
 
 if __name__ == "__main__":
