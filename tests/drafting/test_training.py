@@ -246,11 +246,10 @@ def test_prompt_loss_also_teaches_the_user_turns_and_keeps_the_answers_vocabular
     the answers' most frequent tokens."""
 
     def trained(prompt_loss: bool):
-        (tmp_path / str(prompt_loss)).mkdir()
-        config = quick_config(
-            bigram_target, tmp_path / str(prompt_loss), 40, arch="eagle3", epochs=3,
-            draft_vocab_size=48, prompt_loss=prompt_loss,
-        )  # fmt: skip
+        folder = tmp_path / str(prompt_loss)
+        folder.mkdir()
+        overrides = dict(arch="eagle3", epochs=3, draft_vocab_size=48, prompt_loss=prompt_loss)
+        config = quick_config(bigram_target, folder, 40, **overrides)
         return load_head(train_head(config), spec, 256, torch.device("cpu"), torch.float32)
 
     def user_turn_loss(head) -> float:
