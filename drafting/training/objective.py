@@ -3,10 +3,12 @@
 For each position i the head reads token i + 1 and the target's feature at i (plus small uniform
 noise) and predicts the feature at i + 1. EAGLE-1/2 loss: smooth-L1 to that feature (weight 1.0)
 plus the cross-entropy between the target's next-token distribution and the head's, both through
-the frozen lm_head (weight 0.1). EAGLE-3 loss: the cross-entropy alone, the head's distribution
+the frozen lm_head (weight 0.1). EAGLE-3 loss: the cross-entropy, the head's distribution
 through its own norm and lm_head over its draft vocabulary, its features the target's three
-layers' states (projected by its fc before the first step). Both on the positions the loss mask
-keeps (assistant tokens).
+layers' states (projected by its fc before the first step); the feature regression is off unless
+asked for (`eagle3_feature_weight`), and then compares the head's normed output with the target's
+final-normed state, the space both lm_heads read. Both on the positions the loss mask keeps
+(assistant tokens).
 
 When drafting, only the first level of a tree reads a target feature: deeper nodes read the head's
 own prediction of their parent's feature, and attend to their ancestors' K/V, which were computed
@@ -63,6 +65,7 @@ def head_losses(
     batch: list[TrainingExample],
     noise: float = 0.2,
     unroll_steps: int = 1,
+    eagle3_feature_weight: float = 0.0,  # EAGLE-1/2 heads: always FEATURE_WEIGHT
 ) -> tuple[torch.Tensor, StepLosses]:
     """The weighted loss (for backward) and its parts, for a batch of examples."""
     lengths = [len(e.token_ids) - 1 for e in batch]  # position i predicts i + 1
@@ -80,7 +83,7 @@ def head_losses(
         head, target.embed_tokens, next_tokens, features, lengths, unroll_steps
     )  # unroll_steps x [N, hidden]
     score = _draft_scorer(head, target)
-    feature_weight = 0.0 if isinstance(head, Eagle3Head) else FEATURE_WEIGHT
+    feature_weight = eagle3_feature_weight if isinstance(head, Eagle3Head) else FEATURE_WEIGHT
     positions = _positions(lengths, device)[mask]  # [M] of the trained rows
     targets = targets[mask]  # [M, hidden]
     with torch.no_grad():  # the same targets at every step: their distribution once
@@ -89,7 +92,7 @@ def head_losses(
     for step, predicted in enumerate(predictions):
         valid = positions >= step  # [M] step s's first s positions have no drafted input
         feature_loss, token_loss, accuracy = _losses(
-            predicted[mask][valid], targets[valid], target_probs[valid], score
+            predicted[mask][valid], targets[valid], target_probs[valid], score, head
         )
         loss = loss + UNROLL_DECAY**step * (
             feature_weight * feature_loss + TOKEN_WEIGHT * token_loss
@@ -138,10 +141,12 @@ def _losses(
     targets: torch.Tensor,  # [M, hidden] the target's final hidden states
     target_probs: torch.Tensor,  # [M, V] the target's distribution over the draft vocabulary
     score: _DraftScorer,
+    head: DraftHead,
 ):
     """Smooth-L1 to the target's states, soft cross-entropy over the draft vocabulary and top-1
     agreement."""
-    feature_loss = F.smooth_l1_loss(predicted, targets)
+    comparable = head.norm(predicted) if isinstance(head, Eagle3Head) else predicted
+    feature_loss = F.smooth_l1_loss(comparable, targets)
     head_logprobs = torch.log_softmax(score.head_logits(predicted).float(), dim=-1)  # [M, V]
     token_loss = -(target_probs * head_logprobs).sum(-1).mean()
     with torch.no_grad():

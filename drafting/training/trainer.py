@@ -61,6 +61,10 @@ class TrainConfig:
     eval_max_tokens: int = 64
     draft_vocab_size: int = 0  # > 0: the head proposes only the most frequent assistant tokens
     unroll_steps: int = 1  # > 1: also train on the head's own predictions (drafting depths 2..)
+    intermediate_size: int = 0  # the head's MLP width; 0: the target's
+    # EAGLE-3 only: also regress the head's normed output to the target's next state, with this
+    # weight (EAGLE-1/2 always do, with 1.0)
+    eagle3_feature_weight: float = 0.0
     # also learn the target's next token inside user and system turns: their features are cached
     # and the head runs over them anyway, so these labels cost only their share of the loss
     prompt_loss: bool = False
@@ -76,6 +80,10 @@ class TrainConfig:
                 "a reduced draft vocabulary is published only in the EAGLE-3 format, which other "
                 "engines read: use --arch eagle3 with --draft-vocab-size"
             )
+        if self.eagle3_feature_weight and self.arch != "eagle3":
+            raise AerieError("--eagle3-feature-weight applies to --arch eagle3 heads")
+        if self.intermediate_size < 0:
+            raise AerieError(f"--intermediate-size must be positive, got {self.intermediate_size}")
         if self.unroll_steps < 1:
             raise AerieError(f"--unroll-steps must be at least 1, got {self.unroll_steps}")
         if self.first_conversation < 0 or (
@@ -220,7 +228,12 @@ class HeadTrainer:
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(self.config, state["step"], total_steps)
         loss, parts = head_losses(
-            head, self.target, batch, self.config.noise, self.config.unroll_steps
+            head,
+            self.target,
+            batch,
+            self.config.noise,
+            self.config.unroll_steps,
+            self.config.eagle3_feature_weight,
         )
         optimizer.zero_grad()
         loss.backward()
@@ -246,7 +259,7 @@ class HeadTrainer:
         draft_vocab = frequent_tokens(examples, size, vocab) if size else None
         if self.config.arch == "eagle3":
             return self._new_eagle3_head(rotary, draft_vocab).to(device).train()
-        head = EagleHead(HeadSpec.for_target(self.llm.engine.spec), rotary)
+        head = EagleHead(self._widened(HeadSpec.for_target(self.llm.engine.spec)), rotary)
         head.draft_vocab = draft_vocab
         return head.to(device).train()
 
@@ -254,12 +267,18 @@ class HeadTrainer:
         spec = self.llm.engine.spec
         vocab = draft_vocab if draft_vocab is not None else torch.arange(spec.vocab_size)
         head_spec = Eagle3Spec.for_target(spec, len(vocab), self.target.feature_layers)
-        head = Eagle3Head(head_spec, rotary)
+        head = Eagle3Head(self._widened(head_spec), rotary)
         with torch.no_grad():  # start from the target's lm_head rows of the draft vocabulary
             head.lm_head.weight.copy_(self.target.lm_head.weight[vocab])
             head.norm.weight.copy_(self.target.norm.weight)
         head.d2t.copy_(vocab - torch.arange(len(vocab)))
         return head
+
+    def _widened(self, spec):
+        """`spec` (a HeadSpec or Eagle3Spec) with the configured MLP width, if any."""
+        if not self.config.intermediate_size:
+            return spec
+        return replace(spec, intermediate_size=self.config.intermediate_size)
 
     def _initial_head(self, path: str) -> DraftHead:
         """A trainable copy of the head in `path`, checked against the target like any head."""

@@ -85,7 +85,12 @@ def test_rounds_train_on_new_source_conversations_and_a_rerun_resumes(
 
     curve = json.loads(curve_path.read_text())
     assert [r["conversations"] for r in curve] == [4, 8]
-    assert curve[0]["recipe"] == {"epochs": 2, "batch_tokens": 256, "prompt_loss": True}
+    assert curve[0]["recipe"] == {
+        "epochs": 2,
+        "batch_tokens": 256,
+        "prompt_loss": True,
+        "eagle3_feature_weight": 1.0,
+    }
     assert_rounds_read_new_conversations_twice(curve, bigram_target, source)
     for record in curve:
         for by_category in record["acceptance_length"].values():

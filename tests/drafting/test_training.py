@@ -136,9 +136,13 @@ def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
 
 @pytest.mark.slow
 def test_a_reduced_vocabulary_head_is_trained_on_its_tokens(bigram_target, tmp_path):
-    head = train_head(quick_config(bigram_target, tmp_path, 30, draft_vocab_size=24, arch="eagle3"))
+    """...and a head with its own MLP width (--intermediate-size) loads and drafts losslessly."""
+    overrides = dict(draft_vocab_size=24, arch="eagle3", intermediate_size=72)
+    head = train_head(quick_config(bigram_target, tmp_path, 30, **overrides))
     spec = LLM(str(bigram_target), draft=None).engine.spec
-    vocab = load_head(head, spec, 256, torch.device("cpu"), torch.float32).draft_vocab.tolist()
+    loaded = load_head(head, spec, 256, torch.device("cpu"), torch.float32)
+    assert loaded.spec.intermediate_size == 72 != spec.intermediate_size
+    vocab = loaded.draft_vocab.tolist()
     tokenizer = load_tokenizer(str(bigram_target))
     assistant_tokens = {tokenizer.convert_tokens_to_ids(c) for c in "ABCDEFGH"}
     assert len(vocab) == 24 and assistant_tokens <= set(vocab)
@@ -270,3 +274,33 @@ def test_prompt_loss_also_teaches_the_user_turns_and_keeps_the_answers_vocabular
         features = target_features(target, [tokenized.token_ids])[0]
         user_turns.append(TrainingExample(ids, features, ~torch.tensor(tokenized.loss_mask)))
     assert user_turn_loss(with_prompts) < user_turn_loss(answers_only)
+
+
+def test_eagle3_feature_weight_trains_the_normed_output_toward_the_targets_states(
+    bigram_target, random_eagle3_head
+):
+    """An EAGLE-3 head is trained on its cross-entropy alone unless asked: only with
+    eagle3_feature_weight does training pull its normed output toward the target's next states."""
+    llm = LLM(str(bigram_target), draft=None)
+    spec, target = llm.engine.spec, llm.engine.runner.model.requires_grad_(False)
+    rng = random.Random(0)
+    sequences = [[rng.randrange(3, spec.vocab_size) for _ in range(24)] for _ in range(8)]
+
+    def feature_loss_after_training(weight: float) -> float:
+        torch.manual_seed(0)
+        head = load_head(random_eagle3_head, spec, 256, torch.device("cpu"), torch.float32)
+        target.feature_layers = head.feature_layers
+        examples = [
+            TrainingExample(torch.tensor(s), f, torch.ones(len(s), dtype=torch.bool))
+            for s, f in zip(sequences, target_features(target, sequences))
+        ]
+        optimizer = torch.optim.AdamW(head.train().parameters(), lr=3e-3)
+        for _ in range(30):
+            loss, parts = head_losses(head, target, examples, eagle3_feature_weight=weight)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return parts.feature
+
+    with_weight, without = feature_loss_after_training(1.0), feature_loss_after_training(0.0)
+    assert with_weight < 0.5 * without
