@@ -83,7 +83,9 @@ class TrainConfig:
         if self.eagle3_feature_weight and self.arch != "eagle3":
             raise AerieError("--eagle3-feature-weight applies to --arch eagle3 heads")
         if self.intermediate_size < 0:
-            raise AerieError(f"--intermediate-size must be positive, got {self.intermediate_size}")
+            raise AerieError(f"--intermediate-size must not be negative: {self.intermediate_size}")
+        if self.intermediate_size and self.init_head:
+            raise AerieError("--intermediate-size shapes a new head, not one from --init-head")
         if self.unroll_steps < 1:
             raise AerieError(f"--unroll-steps must be at least 1, got {self.unroll_steps}")
         if self.first_conversation < 0 or (

@@ -68,6 +68,10 @@ def test_bad_data_source_is_a_clear_error(tmp_path):
         list(load_conversations(str(broken)))
     with pytest.raises(AerieError, match="unroll-steps"):
         TrainConfig("smollm2-135m-instruct", str(broken), tmp_path, unroll_steps=0)
+    with pytest.raises(AerieError, match="init-head"):
+        TrainConfig("m", str(broken), tmp_path, intermediate_size=64, init_head=str(tmp_path))
+    with pytest.raises(AerieError, match="eagle3"):
+        TrainConfig("m", str(broken), tmp_path, eagle3_feature_weight=1.0)  # an EAGLE-2 head
 
 
 def quick_config(target, tmp_path, num_conversations: int, **overrides) -> TrainConfig:
