@@ -68,10 +68,16 @@ def test_bad_data_source_is_a_clear_error(tmp_path):
         list(load_conversations(str(broken)))
     with pytest.raises(AerieError, match="unroll-steps"):
         TrainConfig("smollm2-135m-instruct", str(broken), tmp_path, unroll_steps=0)
+
+
+def test_flags_that_do_not_fit_the_head_are_refused(tmp_path):
+    """A width for a head that is loaded, not built, and the EAGLE-3 regression weight for an
+    EAGLE-2 head (which always regresses, at 1.0), are errors rather than silently ignored."""
+    data = str(tmp_path / "data.jsonl")
     with pytest.raises(AerieError, match="init-head"):
-        TrainConfig("m", str(broken), tmp_path, intermediate_size=64, init_head=str(tmp_path))
+        TrainConfig("m", data, tmp_path, intermediate_size=64, init_head=str(tmp_path))
     with pytest.raises(AerieError, match="eagle3"):
-        TrainConfig("m", str(broken), tmp_path, eagle3_feature_weight=1.0)  # an EAGLE-2 head
+        TrainConfig("m", data, tmp_path, eagle3_feature_weight=1.0)  # arch defaults to eagle2
 
 
 def quick_config(target, tmp_path, num_conversations: int, **overrides) -> TrainConfig:
@@ -140,7 +146,8 @@ def test_train_head_end_to_end_and_resume(bigram_target, tmp_path):
 
 @pytest.mark.slow
 def test_a_reduced_vocabulary_head_is_trained_on_its_tokens(bigram_target, tmp_path):
-    """...and a head with its own MLP width (--intermediate-size) loads and drafts losslessly."""
+    """An EAGLE-3 head with a reduced vocabulary (its answers' most frequent tokens) and its own
+    MLP width (--intermediate-size) loads with both and drafts losslessly."""
     overrides = dict(draft_vocab_size=24, arch="eagle3", intermediate_size=72)
     head = train_head(quick_config(bigram_target, tmp_path, 30, **overrides))
     spec = LLM(str(bigram_target), draft=None).engine.spec
