@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import typing
 
 from engine.errors import AerieError
 from engine.execution.model_files import DEFAULT_MODEL
@@ -127,6 +128,7 @@ def _add_head_campaign(commands) -> None:
 
 
 def _add_dataclass_flags(cmd, config_class, skip: tuple[str, ...]) -> None:
+    annotations = typing.get_type_hints(config_class)
     for field in dataclasses.fields(config_class):
         if field.name in skip:
             continue
@@ -139,8 +141,14 @@ def _add_dataclass_flags(cmd, config_class, skip: tuple[str, ...]) -> None:
                 help=f"default: {field.default}",
             )
             continue
-        kind = type(field.default) if isinstance(field.default, (float, str)) else int
+        kind = _flag_type(annotations[field.name])
         cmd.add_argument(flag, type=kind, default=field.default, help=f"default: {field.default}")
+
+
+def _flag_type(annotation) -> type:
+    """What a flag's text is parsed as: its field's type, `float | None` read as a float."""
+    types = [t for t in typing.get_args(annotation) if t is not type(None)]
+    return types[0] if types else annotation
 
 
 def _config_from_args(config_class, args: argparse.Namespace):

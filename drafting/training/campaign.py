@@ -45,7 +45,7 @@ class CampaignConfig:
     draft_vocab_size: int = 8192
     unroll_steps: int = 3
     prompt_loss: bool = True  # also learn the target's next token inside user turns
-    eagle3_feature_weight: float = 1.0  # and regress to the target's next state (EAGLE-3 heads)
+    feature_weight: float = 1.0  # and regress to the target's next state (EAGLE-3 too)
     max_tokens: int = 512  # per distilled answer
     sampled_share: float = 0.25
     eval_max_tokens: int = 128
@@ -85,7 +85,7 @@ def run_campaign(config: CampaignConfig) -> Path:
                     "epochs": train.epochs,
                     "batch_tokens": train.batch_tokens,
                     "prompt_loss": train.prompt_loss,
-                    "eagle3_feature_weight": train.eagle3_feature_weight,
+                    "feature_weight": train.feature_weight,
                 },
                 "training_tokens_seen": seen,
                 "acceptance_length": acceptance,
@@ -131,7 +131,7 @@ def _train_config(
         draft_vocab_size=config.draft_vocab_size,
         unroll_steps=config.unroll_steps,
         prompt_loss=config.prompt_loss,
-        eagle3_feature_weight=config.eagle3_feature_weight if config.arch == "eagle3" else 0.0,
+        feature_weight=config.feature_weight,
         init_head=str(previous) if previous else None,
         resume=(folder / "checkpoint.pt").exists(),
     )

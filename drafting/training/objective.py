@@ -6,7 +6,7 @@ plus the cross-entropy between the target's next-token distribution and the head
 the frozen lm_head (weight 0.1). EAGLE-3 loss: the cross-entropy, the head's distribution
 through its own norm and lm_head over its draft vocabulary, its features the target's three
 layers' states (projected by its fc before the first step); the feature regression is off unless
-asked for (`eagle3_feature_weight`), and then compares the head's normed output with the target's
+asked for (`feature_weight`), and then compares the head's normed output with the target's
 final-normed state, the space both lm_heads read. Both on the positions the loss mask keeps
 (assistant tokens).
 
@@ -40,7 +40,6 @@ from engine.execution.layers.paged_attention import (
 )
 from engine.execution.models.decoder import DecoderModel
 
-FEATURE_WEIGHT = 1.0
 TOKEN_WEIGHT = 0.1
 UNROLL_DECAY = 0.8
 
@@ -65,7 +64,7 @@ def head_losses(
     batch: list[TrainingExample],
     noise: float = 0.2,
     unroll_steps: int = 1,
-    eagle3_feature_weight: float = 0.0,  # EAGLE-1/2 heads: always FEATURE_WEIGHT
+    feature_weight: float | None = None,  # None: the head format's (default_feature_weight)
 ) -> tuple[torch.Tensor, StepLosses]:
     """The weighted loss (for backward) and its parts, for a batch of examples."""
     lengths = [len(e.token_ids) - 1 for e in batch]  # position i predicts i + 1
@@ -83,7 +82,8 @@ def head_losses(
         head, target.embed_tokens, next_tokens, features, lengths, unroll_steps
     )  # unroll_steps x [N, hidden]
     score = _draft_scorer(head, target)
-    feature_weight = eagle3_feature_weight if isinstance(head, Eagle3Head) else FEATURE_WEIGHT
+    if feature_weight is None:
+        feature_weight = default_feature_weight(head)
     positions = _positions(lengths, device)[mask]  # [M] of the trained rows
     targets = targets[mask]  # [M, hidden]
     with torch.no_grad():  # the same targets at every step: their distribution once
@@ -100,6 +100,12 @@ def head_losses(
         parts.append((feature_loss.item(), token_loss.item(), accuracy))
     (feature, token, _), accuracies = parts[0], tuple(a for _, _, a in parts)
     return loss, StepLosses(feature, token, accuracies)
+
+
+def default_feature_weight(head: DraftHead) -> float:
+    """The feature regression's weight in each format's published recipe: EAGLE-1/2 train on it
+    (1.0, ten times the token loss's 0.1), EAGLE-3 drops it."""
+    return 0.0 if isinstance(head, Eagle3Head) else 1.0
 
 
 def _ends(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,9 +62,9 @@ class TrainConfig:
     draft_vocab_size: int = 0  # > 0: the head proposes only the most frequent assistant tokens
     unroll_steps: int = 1  # > 1: also train on the head's own predictions (drafting depths 2..)
     intermediate_size: int = 0  # the head's MLP width; 0: the target's
-    # EAGLE-3 only: also regress the head's normed output to the target's next state, with this
-    # weight (EAGLE-1/2 always do, with 1.0)
-    eagle3_feature_weight: float = 0.0
+    # the regression to the target's next state (EAGLE-3: of the head's normed output); None: the
+    # format's own, 1.0 for EAGLE-1/2 and 0 (off) for EAGLE-3
+    feature_weight: float | None = None
     # also learn the target's next token inside user and system turns: their features are cached
     # and the head runs over them anyway, so these labels cost only their share of the loss
     prompt_loss: bool = False
@@ -80,8 +80,8 @@ class TrainConfig:
                 "a reduced draft vocabulary is published only in the EAGLE-3 format, which other "
                 "engines read: use --arch eagle3 with --draft-vocab-size"
             )
-        if self.eagle3_feature_weight and self.arch != "eagle3":
-            raise AerieError("--eagle3-feature-weight applies to --arch eagle3 heads")
+        if self.feature_weight is not None and self.feature_weight < 0:
+            raise AerieError(f"--feature-weight must not be negative: {self.feature_weight}")
         if self.intermediate_size < 0:
             raise AerieError(f"--intermediate-size must not be negative: {self.intermediate_size}")
         if self.intermediate_size and self.init_head:
@@ -235,7 +235,7 @@ class HeadTrainer:
             batch,
             self.config.noise,
             self.config.unroll_steps,
-            self.config.eagle3_feature_weight,
+            self.config.feature_weight,
         )
         optimizer.zero_grad()
         loss.backward()

@@ -89,7 +89,7 @@ def test_rounds_train_on_new_source_conversations_and_a_rerun_resumes(
         "epochs": 2,
         "batch_tokens": 256,
         "prompt_loss": True,
-        "eagle3_feature_weight": 1.0,
+        "feature_weight": 1.0,
     }
     assert_rounds_read_new_conversations_twice(curve, bigram_target, source)
     for record in curve:

@@ -71,13 +71,13 @@ def test_bad_data_source_is_a_clear_error(tmp_path):
 
 
 def test_flags_that_do_not_fit_the_head_are_refused(tmp_path):
-    """A width for a head that is loaded, not built, and the EAGLE-3 regression weight for an
-    EAGLE-2 head (which always regresses, at 1.0), are errors rather than silently ignored."""
+    """A width for a head that is loaded, not built, and a negative regression weight are errors
+    rather than silently ignored."""
     data = str(tmp_path / "data.jsonl")
     with pytest.raises(AerieError, match="init-head"):
         TrainConfig("m", data, tmp_path, intermediate_size=64, init_head=str(tmp_path))
-    with pytest.raises(AerieError, match="eagle3"):
-        TrainConfig("m", data, tmp_path, eagle3_feature_weight=1.0)  # arch defaults to eagle2
+    with pytest.raises(AerieError, match="feature-weight"):
+        TrainConfig("m", data, tmp_path, arch="eagle3", feature_weight=-1.0)
 
 
 def quick_config(target, tmp_path, num_conversations: int, **overrides) -> TrainConfig:
@@ -287,17 +287,17 @@ def test_prompt_loss_also_teaches_the_user_turns_and_keeps_the_answers_vocabular
     assert user_turn_loss(with_prompts) < user_turn_loss(answers_only)
 
 
-def test_eagle3_feature_weight_trains_the_normed_output_toward_the_targets_states(
+def test_feature_weight_trains_an_eagle3_heads_normed_output_toward_the_targets_states(
     bigram_target, random_eagle3_head
 ):
-    """An EAGLE-3 head is trained on its cross-entropy alone unless asked: only with
-    eagle3_feature_weight does training pull its normed output toward the target's next states."""
+    """An EAGLE-3 head is trained on its cross-entropy alone by default (its format's recipe): only
+    with a feature weight does training pull its normed output toward the target's next states."""
     llm = LLM(str(bigram_target), draft=None)
     spec, target = llm.engine.spec, llm.engine.runner.model.requires_grad_(False)
     rng = random.Random(0)
     sequences = [[rng.randrange(3, spec.vocab_size) for _ in range(24)] for _ in range(8)]
 
-    def feature_loss_after_training(weight: float) -> float:
+    def feature_loss_after_training(weight: float | None) -> float:
         torch.manual_seed(0)
         head = load_head(random_eagle3_head, spec, 256, torch.device("cpu"), torch.float32)
         target.feature_layers = head.feature_layers
@@ -307,11 +307,11 @@ def test_eagle3_feature_weight_trains_the_normed_output_toward_the_targets_state
         ]
         optimizer = torch.optim.AdamW(head.train().parameters(), lr=3e-3)
         for _ in range(30):
-            loss, parts = head_losses(head, target, examples, eagle3_feature_weight=weight)
+            loss, parts = head_losses(head, target, examples, feature_weight=weight)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
         return parts.feature
 
-    with_weight, without = feature_loss_after_training(1.0), feature_loss_after_training(0.0)
-    assert with_weight < 0.5 * without
+    with_weight, by_default = feature_loss_after_training(1.0), feature_loss_after_training(None)
+    assert with_weight < 0.5 * by_default
