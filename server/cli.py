@@ -146,9 +146,11 @@ def _add_dataclass_flags(cmd, config_class, skip: tuple[str, ...]) -> None:
 
 
 def _flag_type(annotation) -> type:
-    """What a flag's text is parsed as: its field's type, `float | None` read as a float."""
-    types = [t for t in typing.get_args(annotation) if t is not type(None)]
-    return types[0] if types else annotation
+    """What a flag's text is parsed as: its field's type, `X | None` read as an X."""
+    types = typing.get_args(annotation)
+    if type(None) in types:
+        (annotation,) = (t for t in types if t is not type(None))
+    return annotation
 
 
 def _config_from_args(config_class, args: argparse.Namespace):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from drafting.head_loader import load_head
+from drafting.training import trainer
 from drafting.training.data import load_conversations, tokenize_conversation
 from drafting.training.features import target_features
 from drafting.training.objective import TrainingExample, head_losses, unrolled_predictions
@@ -18,6 +19,7 @@ from engine.core.kv_cache import KVCache
 from engine.errors import AerieError
 from engine.execution.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.execution.model_files import load_tokenizer
+from server.cli import main
 
 
 def write_jsonl(path, count: int, seed: int = 0):
@@ -78,6 +80,16 @@ def test_flags_that_do_not_fit_the_head_are_refused(tmp_path):
         TrainConfig("m", data, tmp_path, intermediate_size=64, init_head=str(tmp_path))
     with pytest.raises(AerieError, match="feature-weight"):
         TrainConfig("m", data, tmp_path, arch="eagle3", feature_weight=-1.0)
+
+
+@pytest.mark.parametrize(("flags", "weight"), [([], None), (["--feature-weight", "0.5"], 0.5)])
+def test_train_head_flags_are_typed_by_their_fields(flags, weight, tmp_path, monkeypatch):
+    """An optional float field (None: the head format's own weight) is left None when its flag
+    is absent and reads a float when given, as the other flags read their fields' types."""
+    configs = []
+    monkeypatch.setattr(trainer, "train_head", lambda config: configs.append(config) or "")
+    main(["train-head", "--out", str(tmp_path), "--arch", "eagle3", "--lr", "3e-4", *flags])
+    assert (configs[0].feature_weight, configs[0].lr, configs[0].epochs) == (weight, 3e-4, 4)
 
 
 def quick_config(target, tmp_path, num_conversations: int, **overrides) -> TrainConfig:
