@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from drafting.training.data import training_conversations
 from drafting.training.dev_set import CATEGORIES, read_dev_set
+from drafting.training.trainer import frequent_tokens
 from engine.execution.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 from engine.llm import LLM
 from engine.sampling.sampling_params import SamplingParams
@@ -45,8 +46,13 @@ def main() -> None:
     args = parser.parse_args()
     dev_set = read_dev_set(args.dev_set)
     answers = greedy_answers(dev_set)
-    counts = answer_token_counts(args.conversations)
-    vocabularies = {f"{n} most frequent": top_tokens(counts, n) for n in SIZES}
+    tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    answer_tokens = training_answer_tokens(tokenizer, args.conversations)
+    vocab_size = len(tokenizer)
+    vocabularies = {
+        f"{n} most frequent": as_mask(frequent_tokens(answer_tokens, n, vocab_size), vocab_size)
+        for n in SIZES
+    }
     if args.head:
         vocabularies["the head's own"] = load_file(str(args.head / "model.safetensors"))["t2d"]
     coverage = {
@@ -74,22 +80,21 @@ def greedy_answers(dev_set: list[dict]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def answer_token_counts(conversations: int) -> torch.Tensor:
-    """[vocab] how often each token occurs in the answers of ShareGPT's first training
-    conversations: what `train-head --draft-vocab-size` ranks."""
-    tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
-    counts = torch.zeros(len(tokenizer), dtype=torch.long)
+def training_answer_tokens(tokenizer, conversations: int) -> torch.Tensor:  # [tokens] long
+    """The answer tokens of ShareGPT's first training conversations: what `train-head
+    --draft-vocab-size` ranks."""
     tokenized = training_conversations("sharegpt", tokenizer, 0, conversations, max_tokens=1024)
-    for conversation in tqdm(tokenized, desc="answer tokens", total=conversations):
-        ids = torch.tensor(conversation.token_ids)[torch.tensor(conversation.loss_mask)]
-        counts += torch.bincount(ids, minlength=len(counts))
-    return counts
+    answers = [
+        torch.tensor(c.token_ids)[torch.tensor(c.loss_mask)]
+        for c in tqdm(tokenized, desc="answer tokens", total=conversations)
+    ]
+    return torch.cat(answers)
 
 
-def top_tokens(counts: torch.Tensor, size: int) -> torch.Tensor:  # [vocab] bool
-    chosen = torch.zeros(len(counts), dtype=torch.bool)
-    chosen[counts.argsort(descending=True, stable=True)[:size]] = True
-    return chosen
+def as_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [vocab] bool
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[token_ids] = True
+    return mask
 
 
 def covered_share(

@@ -63,7 +63,7 @@ class TrainConfig:
     unroll_steps: int = 1  # > 1: also train on the head's own predictions (drafting depths 2..)
     intermediate_size: int = 0  # the head's MLP width; 0: the target's
     # the regression to the target's next state (EAGLE-3: of the head's normed output); None: the
-    # format's own, 1.0 for EAGLE-1/2 and 0 (off) for EAGLE-3
+    # format's own (objective.default_feature_weight)
     feature_weight: float | None = None
     # also learn the target's next token inside user and system turns: their features are cached
     # and the head runs over them anyway, so these labels cost only their share of the loss
@@ -258,7 +258,8 @@ class HeadTrainer:
         device = self.target.lm_head.weight.device
         size = self.config.draft_vocab_size
         vocab = self.llm.engine.spec.vocab_size
-        draft_vocab = frequent_tokens(examples, size, vocab) if size else None
+        answers = torch.cat([e.token_ids[e.loss_mask] for e in examples])  # what drafts propose
+        draft_vocab = frequent_tokens(answers, size, vocab) if size else None
         if self.config.arch == "eagle3":
             return self._new_eagle3_head(rotary, draft_vocab).to(device).train()
         head = EagleHead(self._widened(HeadSpec.for_target(self.llm.engine.spec)), rotary)
@@ -349,10 +350,9 @@ def training_feature_layers(num_layers: int) -> tuple[int, ...]:
     return (0, num_layers // 2, num_layers - 1)
 
 
-def frequent_tokens(examples: list[TrainingExample], count: int, vocab_size: int) -> torch.Tensor:
-    """The `count` token ids seen most often where the loss applies (what drafts propose); ties,
-    unseen tokens among them, go to the lower id."""
-    tokens = torch.cat([e.token_ids[e.loss_mask] for e in examples])
+def frequent_tokens(tokens: torch.Tensor, count: int, vocab_size: int) -> torch.Tensor:
+    """The `count` ids seen most often among `tokens`, ascending; ties, unseen tokens among them,
+    go to the lower id."""
     counts = torch.bincount(tokens, minlength=vocab_size)
     return counts.argsort(descending=True, stable=True)[:count].sort().values
 
