@@ -40,7 +40,7 @@ class CampaignConfig:
     rounds: tuple[int, ...] = (500, 1000, 2000, 3000, 4000, 6000, 8000, 10000, 12500, 15000, 17500)
     self_distil: bool = False  # train on the target's answers (distilled first), not the source's
     arch: str = "eagle3"
-    epochs: int = 2
+    epochs: int = 4  # each round's conversations: replay pays per CPU minute as new data does
     batch_tokens: int = 1024  # per optimizer step: a round's few new conversations need many steps
     draft_vocab_size: int = 8192
     unroll_steps: int = 3
