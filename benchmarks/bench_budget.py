@@ -2,14 +2,14 @@
 
 Batch 1, the first turns of the first ``--num-prompts`` MT-bench questions, greedy, ``--max-tokens``
 new tokens (EOS ignored), four engines interleaved per prompt so that the machine's drift hits
-all alike: plain AR; EAGLE with the draft controller (the default); EAGLE drafting at every step,
-the budget still choosing each step's nodes (the controller's choice fixed to drafting); EAGLE
-verifying whole trees. With ``--useless-head`` the EAGLE engines load a head of the shipped
-head's shape with random weights (its drafts are never accepted), where the controller should
-cost next to nothing over AR. Writes ``budget.json`` to ``--out-dir``. From the repository
-root:
+all alike: plain AR; EAGLE with the draft controller and per-request pauses (the default); EAGLE
+drafting at every step, the budget still choosing each step's nodes (the controller's choice
+fixed to drafting, no request paused); EAGLE verifying whole trees. With ``--useless-head`` the
+EAGLE engines load a head of the shipped head's shape with random weights (its drafts are never
+accepted), where the controller should cost next to nothing over AR. Writes ``budget.json`` to
+``--out-dir``. From the repository root:
 
-    .venv/bin/python benchmarks/bench_budget.py    # ~3 minutes
+    .venv/bin/python benchmarks/bench_budget.py --num-prompts 16    # ~4 minutes
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def engines(head: str) -> dict[str, LLM]:
     small_pool = dict(kv_cache_memory_gib=0.3)
     always = LLM(DEFAULT_MODEL, draft=head, **small_pool)
     always.engine.policy.controller.choose = lambda num_decoding: True
+    always.engine.policy.evidence.may_draft = lambda seq: True
     return {
         "ar": LLM(DEFAULT_MODEL, draft=None, **small_pool),
         "controller": LLM(DEFAULT_MODEL, draft=head, **small_pool),

@@ -67,6 +67,11 @@ class _Arm:
         return self.plays >= _MIN_PLAYS and self.weight >= _MIN_WEIGHT
 
     @property
+    def mean_seconds(self) -> float:
+        """Of one of the arm's steps, over its discounted steps."""
+        return self.seconds / self.weight
+
+    @property
     def rate(self) -> float:
         """Tokens per second over the arm's discounted steps."""
         return self.tokens / self.seconds
@@ -79,10 +84,9 @@ class _Arm:
         few alike steps cannot make an estimate look sure."""
         rate = self.rate
         residual = self.tokens2 - 2 * rate * self.cross + rate * rate * self.seconds2  # sum w e^2
-        mean_seconds = self.seconds / self.weight
-        prior = _PRIOR_STEPS * (_PRIOR_SPREAD * rate * mean_seconds) ** 2
+        prior = _PRIOR_STEPS * (_PRIOR_SPREAD * rate * self.mean_seconds) ** 2
         step_variance = (max(0.0, residual) + prior) / (self.weight + _PRIOR_STEPS)  # tokens^2
-        return math.sqrt(step_variance / self.weight) / mean_seconds
+        return math.sqrt(step_variance / self.weight) / self.mean_seconds
 
 
 @dataclass
@@ -127,6 +131,19 @@ class DraftController:
         bucket.draft.decay(self.decay)
         bucket.plain.decay(self.decay)
         (bucket.draft if drafted else bucket.plain).add(num_tokens / num_decoding, seconds)
+
+    def break_even_drafts(self, num_decoding: int) -> float | None:
+        """Accepted drafts per tree at which one sequence's drafting pays at this batch size, or
+        None until both arms are known. Its share of a drafting step's extra time, (T_draft -
+        T_plain) / B, must buy tokens at the drafting step's own rate, (1 + a) B / T_draft
+        (a: the bucket's accepted drafts per sequence): (1 - T_plain / T_draft)(1 + a). Alone
+        in its batch, that is T_draft / T_plain - 1 at the break-even point."""
+        bucket = self._bucket(num_decoding)
+        draft, plain = bucket.draft, bucket.plain
+        if not (draft.known and plain.known):
+            return None
+        extra_time = 1.0 - plain.mean_seconds / draft.mean_seconds
+        return max(0.0, extra_time) * draft.tokens / draft.weight
 
     def rates(self, num_decoding: int) -> tuple[float | None, float | None]:
         """(drafting, plain) tokens per sequence per second at this batch size, None if unknown."""

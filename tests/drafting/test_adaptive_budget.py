@@ -106,14 +106,15 @@ def test_a_useless_head_leaves_outputs_alone_and_the_engine_decoding_plainly(
 def test_a_request_whose_drafts_fail_pauses_while_the_others_draft(small_vocab):
     """Two requests in one batch on the 8-token target with its trained head: a greedy one,
     whose drafts are accepted, and one sampled at a high temperature, whose drafts mostly are
-    not. Every step offers to draft; the hot request drafts on far fewer of its steps."""
+    not. Every step offers to draft; once its failing is clear (a few dozen trees), the hot
+    request drafts on far fewer of its steps."""
     llm = LLM(
         str(small_vocab["target"]), draft=str(small_vocab["trained"]), block_size=4,
         num_kv_blocks=1024,
     )  # fmt: skip
     llm.engine.policy.controller = AlwaysDraft()
-    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    hot = SamplingParams(temperature=50.0, max_tokens=120, ignore_eos=True, seed=1)
+    greedy = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    hot = SamplingParams(temperature=50.0, max_tokens=400, ignore_eos=True, seed=1)
     prompt = mixed_prompts(1, seed=2, vocab=8)[0]
     cold_out, hot_out = llm.generate([prompt, prompt], [greedy, hot], use_tqdm=False)
     cold, hot = cold_out.metrics, hot_out.metrics

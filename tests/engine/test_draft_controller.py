@@ -139,3 +139,23 @@ def test_a_new_bucket_tries_both_arms_first():
     controller.observe(2, True, 2, 1.0)
     controller.observe(2, True, 2, 1.0)
     assert not controller.choose(2)
+
+
+def test_break_even_drafts_price_a_sequence_s_share_of_the_drafting_step():
+    """A sequence's drafting pays when its accepted drafts buy its share of the drafting step's
+    extra time at the drafting step's own rate."""
+    controller = DraftController(seed=0)
+    assert controller.break_even_drafts(1) is None  # nothing known yet
+    for _ in range(20):
+        controller.observe(1, True, 1.5, 1.1)  # alone: 1.5 tokens in 1.1 s against 1 in 1 s
+        controller.observe(1, False, 1, 1.0)
+        controller.observe(16, True, 16 * 1.5, 2.0)  # sixteen: a drafting step twice as long
+        controller.observe(16, False, 16, 1.0)
+    # alone, the break-even is where (1 + a) / 1.1 s = 1 / 1 s: a = 0.1
+    assert controller.break_even_drafts(1) == pytest.approx((1 - 1 / 1.1) * 1.5)
+    assert controller.break_even_drafts(1) == pytest.approx(0.1, abs=0.04)
+    assert controller.break_even_drafts(16) == pytest.approx(0.75)  # (1 - 1 / 2) * 1.5
+    for _ in range(200):
+        controller.observe(2, True, 2 * 1.2, 0.9)  # drafting no slower than plain: no price
+        controller.observe(2, False, 2, 1.0)
+    assert controller.break_even_drafts(2) == 0.0
