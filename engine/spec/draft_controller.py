@@ -136,8 +136,7 @@ class DraftController:
         """Accepted drafts per tree at which one sequence's drafting pays at this batch size, or
         None until both arms are known. Its share of a drafting step's extra time, (T_draft -
         T_plain) / B, must buy tokens at the drafting step's own rate, (1 + a) B / T_draft
-        (a: the bucket's accepted drafts per sequence): (1 - T_plain / T_draft)(1 + a). Alone
-        in its batch, that is T_draft / T_plain - 1 at the break-even point."""
+        (a: the bucket's accepted drafts per sequence): (1 - T_plain / T_draft)(1 + a)."""
         bucket = self._bucket(num_decoding)
         draft, plain = bucket.draft, bucket.plain
         if not (draft.known and plain.known):
