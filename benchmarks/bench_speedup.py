@@ -9,7 +9,7 @@ temperature and category: each engine's tokens/s, speculation's ratio to AR (AR'
 its own, for the same tokens) and the tokens per decode step. Writes ``speedup.json``
 (``speedup_TAG.json`` with ``--tag``) and its plot to ``--out-dir``. From the repository root:
 
-    .venv/bin/python benchmarks/bench_speedup.py                       # ~35 minutes
+    .venv/bin/python benchmarks/bench_speedup.py                       # ~42 minutes
     .venv/bin/python benchmarks/bench_speedup.py --head PATH --tag round-5
 """
 
@@ -126,12 +126,12 @@ def _figures(rows: list[dict]) -> dict:
     def total(engine: str, field: str) -> float:
         return sum(r[engine][field] for r in rows)
 
+    ar, eagle = (total(e, "tokens") / total(e, "seconds") for e in ("ar", "eagle"))
     return {
         "prompts": len(rows),
-        "ar_tok_s": total("ar", "tokens") / total("ar", "seconds"),
-        "eagle_tok_s": total("eagle", "tokens") / total("eagle", "seconds"),
-        "vs_ar": (total("eagle", "tokens") / total("eagle", "seconds"))
-        / (total("ar", "tokens") / total("ar", "seconds")),
+        "ar_tok_s": ar,
+        "eagle_tok_s": eagle,
+        "vs_ar": eagle / ar,
         # the first token comes from the prefill; every later one from a decode step
         "tokens_per_step": (total("eagle", "tokens") - len(rows)) / total("eagle", "decode_steps"),
     }

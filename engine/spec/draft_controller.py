@@ -136,7 +136,9 @@ class DraftController:
         """Accepted drafts per tree at which one sequence's drafting pays at this batch size, or
         None until both arms are known. Its share of a drafting step's extra time, (T_draft -
         T_plain) / B, must buy tokens at the drafting step's own rate, (1 + a) B / T_draft
-        (a: the bucket's accepted drafts per sequence): (1 - T_plain / T_draft)(1 + a)."""
+        (a: accepted drafts per sequence): (1 - T_plain / T_draft)(1 + a). The bucket's measured
+        a stands in for the batch's; alone in its batch, where drafting pays on average, the
+        price is thus a little above the exact T_draft / T_plain - 1."""
         bucket = self._bucket(num_decoding)
         draft, plain = bucket.draft, bucket.plain
         if not (draft.known and plain.known):

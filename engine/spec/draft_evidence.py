@@ -29,6 +29,7 @@ from engine.core.request import Sequence
 
 _DEFAULT_BREAK_EVEN = 0.3  # accepted drafts per verified tree, before the controller knows
 _HALF_LIFE = 32  # trees: the evidence follows a sequence whose text changes
+_DECAY = 0.5 ** (1.0 / _HALF_LIFE)  # per tree
 _VARIANCE_FLOOR = 0.1  # of a tree's accepted drafts
 _CLEAR = 2.0  # standard errors under the break-even that make failing clear
 _FIRST_PAUSE, _MAX_PAUSE = 4, 64  # decode steps
@@ -45,10 +46,9 @@ class _Record:
     resume_at: int = 0  # the sequence's decode step from which it may draft again
 
     def add(self, num_accepted: int) -> None:
-        decay = 0.5 ** (1.0 / _HALF_LIFE)
-        self.trees = self.trees * decay + 1.0
-        self.accepted = self.accepted * decay + num_accepted
-        self.accepted2 = self.accepted2 * decay + num_accepted * num_accepted
+        self.trees = self.trees * _DECAY + 1.0
+        self.accepted = self.accepted * _DECAY + num_accepted
+        self.accepted2 = self.accepted2 * _DECAY + num_accepted * num_accepted
 
     @property
     def mean(self) -> float:

@@ -60,9 +60,9 @@ class DraftPolicy:
                 sum(expected for _, expected, _ in step.trees),
                 sum(accepted for _, _, accepted in step.trees),
             )
-        break_even = self.controller.break_even_drafts(step.num_decoding)
-        for seq, _, accepted in step.trees:
-            self.evidence.observe(seq, accepted, break_even)
+            break_even = self.controller.break_even_drafts(step.num_decoding)
+            for seq, _, accepted in step.trees:
+                self.evidence.observe(seq, accepted, break_even)
         if step.num_decoding and not self.prefilled:
             self.controller.observe(step.num_decoding, self.drafted, step.num_tokens, step.seconds)
         self.drafted = self.prefilled = False

@@ -151,8 +151,9 @@ def test_break_even_drafts_price_a_sequence_s_share_of_the_drafting_step():
         controller.observe(1, False, 1, 1.0)
         controller.observe(16, True, 16 * 1.5, 2.0)  # sixteen: a drafting step twice as long
         controller.observe(16, False, 16, 1.0)
-    # alone, the break-even is where (1 + a) / 1.1 s = 1 / 1 s: a = 0.1
     assert controller.break_even_drafts(1) == pytest.approx((1 - 1 / 1.1) * 1.5)
+    # near the exact price alone, (1 + a) / 1.1 s = 1 / 1 s: a = 0.1 (the bucket's a = 0.5
+    # stands in for the sequence's own)
     assert controller.break_even_drafts(1) == pytest.approx(0.1, abs=0.04)
     assert controller.break_even_drafts(16) == pytest.approx(0.75)  # (1 - 1 / 2) * 1.5
     for _ in range(200):

@@ -22,6 +22,12 @@ def decode_until_it_may_draft(evidence: DraftEvidence, seq: Sequence) -> int:
     return steps
 
 
+def accepted_drafts(rng: random.Random, none: float, one: float) -> int:
+    """A tree's accepted drafts: 0 with probability `none`, 1 with `one`, else 2."""
+    u = rng.random()
+    return 0 if u < none else 1 if u < none + one else 2
+
+
 def fail_until_paused(evidence: DraftEvidence, seq: Sequence) -> int:
     """Trees with no draft accepted until `seq` pauses."""
     trees = 0
@@ -85,8 +91,7 @@ def test_chance_runs_of_failed_trees_do_not_pause_a_paying_sequence():
     rng = random.Random(0)
     evidence, seq = DraftEvidence(), bare_sequence(6)
     for _ in range(2000):
-        u = rng.random()
-        evidence.observe(seq, 0 if u < 0.55 else 1 if u < 0.85 else 2, break_even=0.25)
+        evidence.observe(seq, accepted_drafts(rng, 0.55, 0.30), break_even=0.25)
         assert evidence.may_draft(seq)
 
 
@@ -98,8 +103,7 @@ def test_a_sequence_clearly_below_the_break_even_is_paused_on_most_steps():
     paused = 0
     for _ in range(4000):
         if evidence.may_draft(seq):
-            u = rng.random()
-            evidence.observe(seq, 0 if u < 0.87 else 1 if u < 0.98 else 2, break_even=0.5)
+            evidence.observe(seq, accepted_drafts(rng, 0.87, 0.11), break_even=0.5)
         else:
             paused += 1
         seq.num_decode_steps += 1
