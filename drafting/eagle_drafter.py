@@ -114,7 +114,7 @@ class EagleDrafter:
     ) -> None:
         self.head, self.target, self.kv_cache = head, target, kv_cache
         self.block_size, self.shape = block_size, shape
-        self.policy = policy  # None: every step drafts, and verifies whole trees
+        self.policy = policy  # its budget keeps the nodes worth verifying; None: whole trees
         self.num_lookahead_tokens = shape.num_scratch
         self.device = target.lm_head.weight.device
         # A reduced draft vocabulary scores only the target's most frequent tokens: its lm_head
@@ -131,22 +131,15 @@ class EagleDrafter:
     # ------------------------------------------------------------------ propose
     @torch.inference_mode()
     def propose(self, batch: SchedulerOutput) -> dict[int, DraftTree]:
-        """Draft trees for the sequences the policy picks (all that can, without one). The head
-        catches up lazily: prompt chunks at once (the prefix cache awaits their head K/V), a
-        decoding sequence's plainly decoded tokens only when it drafts again, in one batched
-        pass, or once they reach `_MAX_PENDING_ROWS` (its features' memory stays bounded)."""
-        if self.policy is None:
-            drafting = [item for item in batch.scheduled if item.num_lookahead > 0]
-        else:
-            drafting = self.policy.drafting_sequences(batch)
-        chosen = {item.seq.seq_id for item in drafting}
-        prompts = [item.seq for item in batch.scheduled if item.num_lookahead == 0]
+        """Draft trees for the sequences scheduled with draft scratch (the policy chose them as
+        it planned the step). The head catches up lazily: prompt chunks at once (the prefix cache
+        awaits their head K/V), a decoding sequence's plainly decoded tokens only when it drafts
+        again, in one batched pass, or once they reach `_MAX_PENDING_ROWS` (its features' memory
+        stays bounded)."""
+        drafting = [item for item in batch.scheduled if item.num_lookahead > 0]
+        prompts = [item.seq for item in batch.scheduled if not item.decoding]
         roots = self._catch_up([*prompts, *(item.seq for item in drafting)])
-        waiting = [
-            item.seq
-            for item in batch.scheduled
-            if item.num_lookahead > 0 and item.seq.seq_id not in chosen
-        ]
+        waiting = [item.seq for item in batch.scheduled if item.decoding and not item.num_lookahead]
         self._store_long_pending(waiting)
         drafting = [item for item in drafting if item.seq.seq_id in roots]
         if not drafting:

@@ -203,7 +203,7 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        batch = self.last_schedule = self.scheduler.schedule()
+        batch = self.last_schedule = self.scheduler.schedule(self._planned_drafts())
         if not batch.scheduled:
             return []
         self._mark_scheduled(batch, time.monotonic())
@@ -221,10 +221,17 @@ class LLMEngine:
             self._inform_policy(batch, trees, accepted, executed - proposed, start)
         timings = (proposed - start, checked - proposed, decided - checked)
         budget = None
-        if self.policy is not None and any(item.num_lookahead for item in batch.scheduled):
+        if self.policy is not None and any(item.decoding for item in batch.scheduled):
             budget = sum(tree.num_draft_tokens for tree in trees.values())
         self._emit_stats(batch, num_prompt_tokens, accepted, timings, budget)
         return outputs
+
+    def _planned_drafts(self) -> set[int] | None:
+        """The sequences the policy lets draft this step (None: every decoding one)."""
+        if self.policy is None:
+            return None
+        scheduler = self.scheduler
+        return self.policy.plan(scheduler.decoding_sequences(), scheduler.prompts_pending())
 
     def _inform_policy(
         self,
@@ -235,12 +242,14 @@ class LLMEngine:
         started: float,
     ) -> None:
         num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
+        num_decoding = sum(1 for item in batch.scheduled if item.decoding)
         self.policy.observe_step(
             StepReport(
                 seconds=time.perf_counter() - started,
                 pass_seconds=pass_seconds,
                 num_pass_tokens=batch.num_new_tokens + num_draft_tokens,
-                num_decoding=sum(1 for item in batch.scheduled if item.num_lookahead),
+                num_decoding=num_decoding,
+                prefilled=batch.num_new_tokens > num_decoding,
                 num_tokens=sum(len(v.accepted.token_ids) for v in verdicts),
                 trees=[
                     (v.seq, expected_tokens(v.tree.values[1:]), len(v.accepted.accepted_nodes))

@@ -9,6 +9,7 @@ recomputed later). New sequences are admitted only in a step that preempted nobo
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -21,6 +22,7 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens whose K/V this step computes, from seq.num_computed_tokens on
     num_lookahead: int = 0  # scratch positions reserved after them for a draft tree
+    decoding: bool = False  # one new token after a computed context: a tree could grow from it
 
     @property
     def samples(self) -> bool:
@@ -79,7 +81,24 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def decoding_sequences(self) -> list[Sequence]:
+        """The running sequences whose next step decodes one token after a computed context."""
+        return [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
+
+    def prompts_pending(self) -> bool:
+        """Whether the next step is likely to compute prompt tokens: a running sequence's prompt
+        is not all computed, or the first waiting one has a free slot (its blocks unchecked)."""
+        if any(seq.num_tokens - seq.num_computed_tokens > 1 for seq in self.running):
+            return True
+        if not self.waiting:
+            return False
+        num_seqs = sum(self._num_seqs(seq) for seq in self.running)
+        return num_seqs + self._num_seqs(self.waiting[0]) <= self.max_num_seqs
+
+    def schedule(self, drafts: Container[int] | None = None) -> SchedulerOutput:
+        """The step's sequences and chunks. Decoding sequences whose id is in `drafts` (every one,
+        if None) get draft scratch, within the budget; the others are scheduled as plain decoding
+        schedules them, so a step that does not draft leaves that budget to prompt chunks."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
@@ -88,12 +107,14 @@ class Scheduler:
             if budget == 0 or seq in preempted:
                 break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            lookahead = self._lookahead(seq, num_new, budget)
+            decoding = num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+            drafts_here = decoding and (drafts is None or seq.seq_id in drafts)
+            lookahead = self._lookahead(seq, budget) if drafts_here else 0
             num_tokens = seq.num_computed_tokens + num_new + lookahead
             if not self._make_room(seq, num_tokens, preempted):
                 break
             copies += self.block_manager.allocate(seq, num_tokens)
-            scheduled.append(ScheduledSequence(seq, num_new, lookahead))
+            scheduled.append(ScheduledSequence(seq, num_new, lookahead, decoding))
             budget -= num_new + lookahead
         queried = hits = 0
         num_seqs = sum(self._num_seqs(seq) for seq in self.running)
@@ -120,14 +141,10 @@ class Scheduler:
             num_seqs += self._num_seqs(seq)
         return SchedulerOutput(scheduled, preempted, copies, queried, hits)
 
-    def _lookahead(self, seq: Sequence, num_new: int, budget: int) -> int:
+    def _lookahead(self, seq: Sequence, budget: int) -> int:
         """Draft scratch for a decoding sequence, within its token cap and the step's budget."""
-        if not self.num_lookahead_tokens or seq.num_computed_tokens + num_new != seq.num_tokens:
-            return 0
-        if num_new != 1:  # still prefilling: it samples plainly this step
-            return 0
         room = seq.request.max_total_tokens - seq.num_tokens
-        return max(0, min(self.num_lookahead_tokens, room, budget - num_new))
+        return max(0, min(self.num_lookahead_tokens, room, budget - 1))
 
     @staticmethod
     def _num_seqs(seq: Sequence) -> int:

@@ -57,7 +57,8 @@ class DraftMethod(Protocol):
         policy: DraftPolicy | None,
     ) -> Drafter:
         """The drafter that speculates with `head`, its K/V in `kv_layer` of the engine's pool,
-        drafting where `policy` says (None: every step, whole trees)."""
+        for the sequences scheduled with draft scratch (the policy plans which), verifying the
+        nodes `policy`'s budget keeps (None: every decoding sequence, whole trees)."""
 
 
 def load_draft_method(name: str = DEFAULT_METHOD) -> DraftMethod:

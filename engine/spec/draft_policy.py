@@ -1,10 +1,10 @@
-"""DraftPolicy: the engine's speculation decisions, as the drafter asks for them in a step.
+"""DraftPolicy: the engine's speculation decisions, made as each step is planned and drafted.
 
 Three parts, each with one job: DraftEvidence says which sequences' own drafts have been paying
 (engine/spec/draft_evidence.py); DraftController says whether the step drafts for them, from
-measured whole steps (engine/spec/draft_controller.py); DraftBudget says which of the drafted
-nodes are worth verifying (engine/spec/draft_budget.py). The engine reports each finished step
-back through `observe_step`.
+measured whole steps (engine/spec/draft_controller.py), before the step is scheduled; DraftBudget
+says which of the drafted nodes are worth verifying (engine/spec/draft_budget.py). The engine
+reports each finished step back through `observe_step`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.request import Sequence
-from engine.core.scheduler import ScheduledSequence, SchedulerOutput
 from engine.spec.draft_budget import DraftBudget
 from engine.spec.draft_controller import DraftController
 from engine.spec.draft_evidence import DraftEvidence
@@ -26,6 +25,7 @@ class StepReport:
     pass_seconds: float  # its target pass
     num_pass_tokens: int  # tokens of that pass (scheduled tokens and verified draft nodes)
     num_decoding: int  # decoding sequences (prefill chunks aside)
+    prefilled: bool  # it also computed prompt tokens
     num_tokens: int  # tokens the step gave the decoding sequences (accepted drafts + bonus)
     trees: list[tuple[Sequence, float, int]]  # per verified tree: seq, expected, accepted drafts
 
@@ -35,21 +35,20 @@ class DraftPolicy:
     budget: DraftBudget
     controller: DraftController = field(default_factory=DraftController)
     evidence: DraftEvidence = field(default_factory=DraftEvidence)
-    drafted: bool = False  # whether the current step drafts (set by `drafting_sequences`)
-    prefilled: bool = False  # whether the current step also computes prompt tokens
+    drafted: bool = False  # whether the current step drafts (set by `plan`)
 
-    def drafting_sequences(self, batch: SchedulerOutput) -> list[ScheduledSequence]:
-        """The decoding sequences this step drafts for: none if no sequence's evidence allows
-        it or the controller chooses a plain step."""
-        decoding = [item for item in batch.scheduled if item.num_lookahead > 0]
-        self.prefilled = batch.num_new_tokens > len(decoding)  # prompt tokens ride along
-        eligible = [item for item in decoding if self.evidence.may_draft(item.seq)]
+    def plan(self, decoding: list[Sequence], prompts_pending: bool) -> set[int]:
+        """The ids of the `decoding` sequences the next step drafts for, decided before it is
+        scheduled (a plain step then reserves no draft scratch): none if no sequence's evidence
+        allows it or the controller chooses a plain step. A step that is likely to compute
+        prompt tokens as well drafts only on a clear verdict (such steps are not measured)."""
+        eligible = {seq.seq_id for seq in decoding if self.evidence.may_draft(seq)}
         self.drafted = bool(eligible) and (
             self.controller.drafting_clearly_wins(len(decoding))
-            if self.prefilled
+            if prompts_pending
             else self.controller.choose(len(decoding))
         )
-        return eligible if self.drafted else []
+        return eligible if self.drafted else set()
 
     def observe_step(self, step: StepReport) -> None:
         """What the step took and gave: every part learns its share. Steps that also computed
@@ -63,6 +62,6 @@ class DraftPolicy:
             break_even = self.controller.break_even_drafts(step.num_decoding)
             for seq, _, accepted in step.trees:
                 self.evidence.observe(seq, accepted, break_even)
-        if step.num_decoding and not self.prefilled:
+        if step.num_decoding and not step.prefilled:
             self.controller.observe(step.num_decoding, self.drafted, step.num_tokens, step.seconds)
-        self.drafted = self.prefilled = False
+        self.drafted = False

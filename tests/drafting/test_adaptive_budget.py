@@ -123,3 +123,34 @@ def test_a_request_whose_drafts_fail_pauses_while_the_others_draft(small_vocab):
     # steps, the greedy one on most of them
     assert hot.num_draft_tokens < 3 * hot.num_decode_steps / 3
     assert cold.num_draft_tokens > 3 * cold.num_decode_steps / 2
+
+
+class NeverDraft(AlwaysDraft):
+    def choose(self, num_decoding: int) -> bool:
+        return False
+
+
+def test_plain_steps_are_scheduled_as_plain_decoding_schedules_them(bigram_target, trained_head):
+    """With the controller choosing plain steps, the speculative engine computes the same chunks
+    in the same steps as `draft=None`, prompts beside decodes included: no draft scratch takes
+    budget from a prompt, and the head catches up without changing what is scheduled."""
+    prompts = mixed_prompts(12, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    options = dict(block_size=4, num_kv_blocks=1024, max_num_batched_tokens=32, max_num_seqs=6)
+    plain = LLM(str(bigram_target), draft=None, **options)
+    speculative = LLM(str(bigram_target), draft=str(trained_head), **options)
+    speculative.engine.policy.controller = NeverDraft()
+    layouts = {}
+    for name, llm in (("plain", plain), ("speculative", speculative)):
+        for i, prompt in enumerate(prompts):
+            llm.engine.add_request(str(i), prompt, params)
+        layouts[name] = []
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+            layouts[name].append(
+                [(i.seq.request.request_id, i.num_new_tokens, i.num_lookahead)
+                 for i in llm.engine.last_schedule.scheduled]
+            )  # fmt: skip
+    assert any(n > 1 for step in layouts["plain"] for _, n, _ in step)  # prompts beside decodes
+    assert layouts["speculative"] == layouts["plain"]
+    assert all_blocks_free(speculative)

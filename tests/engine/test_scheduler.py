@@ -211,3 +211,36 @@ def test_finish_frees_blocks_of_running_and_waiting_sequences() -> None:
     assert not scheduler.has_unfinished
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
     assert scheduler.schedule().scheduled == []
+
+
+def test_draft_scratch_goes_only_to_the_sequences_that_draft() -> None:
+    """A plain step reserves no scratch, so the prompt chunk beside the decodes gets the budget
+    plain decoding would give it; a drafting step reserves it for the chosen sequences only."""
+    config = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=16)
+    scheduler = Scheduler(config, BlockManager(64, BLOCK_SIZE), num_lookahead_tokens=4)
+    a, b = make_seq(3), make_seq(3)
+    add(scheduler, a, b)
+    step(scheduler)
+    assert scheduler.decoding_sequences() == [a, b] and not scheduler.prompts_pending()
+    long = make_seq(40)
+    add(scheduler, long)
+    assert scheduler.prompts_pending()
+
+    batch = scheduler.schedule(drafts=set())
+    assert [(i.num_new_tokens, i.num_lookahead, i.decoding) for i in batch.scheduled] == [
+        (1, 0, True), (1, 0, True), (14, 0, False),
+    ]  # fmt: skip
+    complete(scheduler, batch)
+    batch = scheduler.schedule(drafts={b.seq_id})
+    assert [(i.num_new_tokens, i.num_lookahead) for i in batch.scheduled] == [
+        (1, 0),
+        (1, 4),
+        (10, 0),
+    ]
+    complete(scheduler, batch)
+    batch = scheduler.schedule()  # None: every decoding sequence may draft
+    assert [(i.num_new_tokens, i.num_lookahead) for i in batch.scheduled] == [
+        (1, 4),
+        (1, 4),
+        (6, 0),
+    ]
