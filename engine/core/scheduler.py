@@ -83,12 +83,12 @@ class Scheduler:
 
     def decoding_sequences(self) -> list[Sequence]:
         """The running sequences whose next step decodes one token after a computed context."""
-        return [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
+        return [seq for seq in self.running if _decodes(seq)]
 
     def prompts_pending(self) -> bool:
         """Whether the next step is likely to compute prompt tokens: a running sequence's prompt
         is not all computed, or the first waiting one has a free slot (its blocks unchecked)."""
-        if any(seq.num_tokens - seq.num_computed_tokens > 1 for seq in self.running):
+        if not all(_decodes(seq) for seq in self.running):
             return True
         if not self.waiting:
             return False
@@ -107,7 +107,7 @@ class Scheduler:
             if budget == 0 or seq in preempted:
                 break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            decoding = num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+            decoding = _decodes(seq)
             drafts_here = decoding and (drafts is None or seq.seq_id in drafts)
             lookahead = self._lookahead(seq, budget) if drafts_here else 0
             num_tokens = seq.num_computed_tokens + num_new + lookahead
@@ -174,3 +174,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _decodes(seq: Sequence) -> bool:
+    """Its next step computes one token after a computed context: it decodes (and may draft)."""
+    return seq.num_tokens - seq.num_computed_tokens == 1
