@@ -88,7 +88,7 @@ class Scheduler:
     def prompts_pending(self) -> bool:
         """Whether the next step is likely to compute prompt tokens: a running sequence's prompt
         is not all computed, or the first waiting one has a free slot (its blocks unchecked)."""
-        if not all(_decodes(seq) for seq in self.running):
+        if any(seq.num_tokens - seq.num_computed_tokens > 1 for seq in self.running):
             return True
         if not self.waiting:
             return False
