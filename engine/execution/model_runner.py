@@ -154,7 +154,7 @@ class ModelRunner:
             if item.seq.seq_id in trees
             for r in rows[1:]
         ]
-        if not node_logits_with_pass(
+        if node_rows and not node_logits_with_pass(
             self.verify_cost, len(sample_rows), len(node_rows), len(trees)
         ):
             node_rows = []  # the acceptance walks compute what they reach (`node_logits`)

@@ -12,6 +12,7 @@ passes once there are a few, the start-up value scaled by the median live ratio 
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
@@ -37,13 +38,13 @@ class VerifyCost:
     def __call__(self, num_tokens):
         """Seconds for a pass of `num_tokens` tokens (a number, or an array of them: then an
         array): piecewise linear between the measured points, the last segment's slope beyond."""
-        x = np.maximum(np.asarray(num_tokens, dtype=np.float64), self.num_tokens[0])
+        x = _at_least(num_tokens, self.num_tokens[0])
         return _piecewise_linear(self.num_tokens, self.seconds, x)
 
     def logits(self, num_rows):
         """Seconds of the lm_head over `num_rows` rows (a number or an array; an expected number
         may be fractional): from nothing at 0 rows, piecewise linear through the measurements."""
-        x = np.maximum(np.asarray(num_rows, dtype=np.float64), 0.0)
+        x = _at_least(num_rows, 0.0)
         return _piecewise_linear((0, *self.logits_rows), (0.0, *self.logits_seconds), x)
 
 
@@ -60,6 +61,7 @@ class LiveVerifyCost:
         self.windows = [deque(maxlen=_LIVE_WINDOW) for _ in startup.num_tokens]  # seconds
         self.ratios: deque[float] = deque(maxlen=2 * _LIVE_WINDOW)  # live / start-up, any size
         self._points: np.ndarray | None = None  # corrected seconds at startup.num_tokens
+        self._log_points = [math.log2(n) for n in startup.num_tokens]
 
     @property
     def scale(self) -> float:
@@ -73,8 +75,8 @@ class LiveVerifyCost:
             return
         predicted = max(self.startup(num_tokens), 1e-9)
         self.ratios.append(seconds / predicted)
-        logs = np.log2(self.startup.num_tokens)
-        nearest = int(np.abs(logs - math.log2(max(num_tokens, 1))).argmin())
+        log = math.log2(max(num_tokens, 1))
+        nearest = min(range(len(self._log_points)), key=lambda i: abs(self._log_points[i] - log))
         point = self.startup.num_tokens[nearest]
         self.windows[nearest].append(seconds * self.startup(point) / predicted)
         self._points = None
@@ -89,7 +91,7 @@ class LiveVerifyCost:
                 for window, startup in zip(self.windows, self.startup.seconds)
             ]
             self._points = np.maximum.accumulate(points)
-        x = np.maximum(np.asarray(num_tokens, dtype=np.float64), self.startup.num_tokens[0])
+        x = _at_least(num_tokens, self.startup.num_tokens[0])
         return _piecewise_linear(self.startup.num_tokens, tuple(self._points), x)
 
 
@@ -108,8 +110,22 @@ def node_logits_with_pass(cost: VerifyCost | None, num_sampled: int, num_nodes, 
     return free | (extra < cost.logits(num_trees))
 
 
-def _piecewise_linear(xs: tuple, ys: tuple, x: np.ndarray):
-    """y at `x` through the points (xs, ys), the last segment's slope beyond the last point."""
+def _at_least(x, low: float):
+    """max(x, low) of a number, or elementwise of an array (then a float64 array)."""
+    if isinstance(x, (int, float)):
+        return max(x, low)
+    return np.maximum(np.asarray(x, dtype=np.float64), low)
+
+
+def _piecewise_linear(xs: tuple, ys: tuple, x):
+    """y at `x` (a number, or an array: then an array) through the points (xs, ys), the last
+    segment's slope beyond the last point. A number takes a plain-Python path: the engine prices
+    one pass a step, where numpy's per-call overhead would cost more than the arithmetic."""
+    if isinstance(x, (int, float)):
+        if len(xs) == 1 or x <= xs[0]:
+            return float(ys[0])
+        i = min(bisect.bisect_left(xs, x), len(xs) - 1)  # x in (xs[i-1], xs[i]], or beyond
+        return float(ys[i - 1] + (x - xs[i - 1]) * (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1]))
     last_slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
     y = np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * last_slope, np.interp(x, xs, ys))
     return float(y) if y.ndim == 0 else y

@@ -33,6 +33,15 @@ def test_verify_cost_interpolates_and_extends_the_last_slope():
     assert cost(2) == 1.0 and cost(16) == 15.0
 
 
+def test_a_number_costs_what_the_same_number_in_an_array_costs():
+    cost = VerifyCost((1, 2, 4, 16), (1.0, 1.5, 1.5, 9.0), (1, 8), (0.25, 0.5))
+    live = LiveVerifyCost(cost)
+    live.observe(3, 4.0)
+    points = [0, 0.5, 1, 1.5, 2, 3, 4, 7.25, 16, 17, 100]
+    for price in (cost, cost.logits, live):
+        assert [price(x) for x in points] == pytest.approx(price(points).tolist(), abs=1e-12)
+
+
 def test_the_lm_head_cost_rises_from_nothing_through_its_measurements():
     cost = VerifyCost((1,), (1.0,), (1, 2, 4), (0.5, 0.5, 1.5))
     assert cost.logits([0, 0.5, 1, 2, 3, 4, 8]).tolist() == [0.0, 0.25, 0.5, 0.5, 1.0, 1.5, 3.5]
