@@ -217,12 +217,14 @@ class LLMEngine:
         accepted = self._accept(batch, trees, verified)  # accept
         decided = time.perf_counter()
         outputs = self._commit(batch, accepted, verified)  # commit
+        num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
+        num_decoding = sum(1 for item in batch.scheduled if item.decoding)
         if self.policy is not None:
-            self._inform_policy(batch, trees, accepted, executed - proposed, start)
+            self._inform_policy(
+                batch, num_draft_tokens, num_decoding, accepted, executed - proposed, start
+            )
         timings = (proposed - start, checked - proposed, decided - checked)
-        budget = None
-        if self.policy is not None and any(item.decoding for item in batch.scheduled):
-            budget = sum(tree.num_draft_tokens for tree in trees.values())
+        budget = num_draft_tokens if self.policy is not None and num_decoding else None
         self._emit_stats(batch, num_prompt_tokens, accepted, timings, budget)
         return outputs
 
@@ -236,13 +238,12 @@ class LLMEngine:
     def _inform_policy(
         self,
         batch: SchedulerOutput,
-        trees: dict[int, DraftTree],
+        num_draft_tokens: int,
+        num_decoding: int,
         verdicts: list[_Verdict],
         pass_seconds: float,
         started: float,
     ) -> None:
-        num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
-        num_decoding = sum(1 for item in batch.scheduled if item.decoding)
         self.policy.observe_step(
             StepReport(
                 seconds=time.perf_counter() - started,

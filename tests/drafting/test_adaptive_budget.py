@@ -113,8 +113,9 @@ def test_a_request_whose_drafts_fail_pauses_while_the_others_draft(small_vocab):
         num_kv_blocks=1024,
     )  # fmt: skip
     llm.engine.policy.controller = AlwaysDraft()
-    # the default break-even, not one priced from this (perhaps busy) machine's step times
+    # the default break-even and whole trees, not priced from this (perhaps busy) machine's times
     llm.engine.policy.controller.break_even_drafts = lambda num_decoding: None
+    llm.engine.policy.budget = DraftBudget(FREE, learn=False)
     greedy = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     hot = SamplingParams(temperature=50.0, max_tokens=400, ignore_eos=True, seed=1)
     prompt = mixed_prompts(1, seed=2, vocab=8)[0]
