@@ -48,8 +48,6 @@ from engine.spec.drafter import Accepted, logits_context, sample_one_each
 # A sequence's rows before its newest, up to this many, run in the newest row's full head pass
 # instead of a K/V-only pass of their own (a drafting step brings its accepted tokens: 0 to depth).
 _FOLDED_ROWS = 8
-# Pending rows a sequence that is not drafting may hold before the head stores their K/V anyway.
-_MAX_PENDING_ROWS = 256
 
 
 @dataclass
@@ -132,15 +130,15 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, batch: SchedulerOutput) -> dict[int, DraftTree]:
         """Draft trees for the sequences scheduled with draft scratch (the policy chose them as
-        it planned the step). The head catches up lazily: prompt chunks at once (the prefix cache
-        awaits their head K/V), a decoding sequence's plainly decoded tokens only when it drafts
-        again, in one batched pass, or once they reach `_MAX_PENDING_ROWS` (its features' memory
-        stays bounded)."""
+        it planned the step). The head's K/V catches up on every row of prompt chunks, and of a
+        drafting sequence, in one batched pass; a decoding sequence that does not draft catches
+        up only on the rows that fill KV blocks: a block joins the prefix cache once its K/V is
+        final in every layer, as it does without a head, and its features wait at most a block."""
         drafting = [item for item in batch.scheduled if item.num_lookahead > 0]
         prompts = [item.seq for item in batch.scheduled if not item.decoding]
         roots = self._catch_up([*prompts, *(item.seq for item in drafting)])
         waiting = [item.seq for item in batch.scheduled if item.decoding and not item.num_lookahead]
-        self._store_long_pending(waiting)
+        self._store_full_blocks(waiting)
         drafting = [item for item in drafting if item.seq.seq_id in roots]
         if not drafting:
             return {}
@@ -148,17 +146,18 @@ class EagleDrafter:
         trees = self._grow(drafting, root_features, batch.num_new_tokens)
         return {item.seq.seq_id: tree for item, tree in zip(drafting, trees) if tree is not None}
 
-    def _store_long_pending(self, seqs: list[Sequence]) -> None:
-        """Store the head K/V of the sequences whose pending rows reached `_MAX_PENDING_ROWS`,
-        all but the newest row (which a drafting step's full pass will run)."""
+    def _store_full_blocks(self, seqs: list[Sequence]) -> None:
+        """Store the head K/V of each sequence's pending rows up to its last full KV block. The
+        rows after it stay pending; the newest of them joins the next drafting step's full pass
+        (this step's pass brings a newer one before that)."""
         rows = _HeadRows()
         for seq in seqs:
             start = seq.num_head_computed_tokens
-            end = min(seq.num_computed_tokens, seq.num_tokens - 1) - 1
-            if end - start < _MAX_PENDING_ROWS:
-                continue
-            rows.add(seq, start, end, _take_pending(seq, end - start))
-            seq.num_head_computed_tokens = end
+            available = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            end = available // self.block_size * self.block_size
+            if end > start:
+                rows.add(seq, start, end, _take_pending(seq, end - start))
+                seq.num_head_computed_tokens = end
         if rows.seq_ids:
             self._store_kv(rows)
 

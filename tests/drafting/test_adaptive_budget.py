@@ -133,6 +133,37 @@ class NeverDraft(AlwaysDraft):
         return False
 
 
+def prefix_cache_hits(llm: LLM, prompts, params) -> int:
+    hits = []
+    llm.engine.stats_listeners.append(lambda stats: hits.append(stats.num_prefix_cache_hits))
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.stats_listeners.pop()
+    return sum(hits)
+
+
+def test_plain_steps_leave_the_prefix_cache_what_plain_decoding_leaves(bigram_target, trained_head):
+    """With the controller choosing plain steps, a request's blocks still reach the prefix cache:
+    sent again, its prompt hits as often as without a head; a follow-up turn (the prompt, its
+    answer, more) hits its answer's blocks too, but for at most one block a request that the
+    head had not caught up on when the request finished."""
+    prompts = mixed_prompts(6, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    hits = {}
+    for name, head in (("plain", None), ("speculative", str(trained_head))):
+        llm = LLM(str(bigram_target), draft=head, block_size=4, num_kv_blocks=1024)
+        if head:
+            llm.engine.policy.controller = NeverDraft()
+        answers = llm.generate(prompts, params, use_tqdm=False)
+        follow_ups = [p + a.outputs[0].token_ids + p[:5] for p, a in zip(prompts, answers)]
+        hits[name] = (
+            prefix_cache_hits(llm, prompts, params),
+            prefix_cache_hits(llm, follow_ups, params),
+        )
+        assert all_blocks_free(llm)
+    assert hits["speculative"][0] == hits["plain"][0] > 0
+    assert hits["plain"][1] - 4 * len(prompts) <= hits["speculative"][1] <= hits["plain"][1]
+
+
 def test_plain_steps_are_scheduled_as_plain_decoding_schedules_them(bigram_target, trained_head):
     """With the controller choosing plain steps, the speculative engine computes the same chunks
     in the same steps as `draft=None`, prompts beside decodes included: no draft scratch takes
