@@ -3,7 +3,7 @@ with an EAGLE-1/2 or an EAGLE-3 head (whose features are the target's three laye
 
 Propose: first the head catches up on the positions whose target features arrived since its last
 pass (prefill chunks; a drafting sequence's root and accepted tokens of its last step, or every
-token it decoded plainly since it last drafted): row i reads token i + 1 and the target's
+token it decoded plainly since its last full block): row i reads token i + 1 and the target's
 feature at i. For a decoding sequence the last of these rows predicts the feature
 after the root, whose lm_head distribution gives the tree's first layer. Each further layer runs
 the head once on the `top_k` best nodes of the newest layer (each attending to the context and its
