@@ -217,14 +217,15 @@ class LLMEngine:
         accepted = self._accept(batch, trees, verified)  # accept
         decided = time.perf_counter()
         outputs = self._commit(batch, accepted, verified)  # commit
-        num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
-        num_decoding = sum(1 for item in batch.scheduled if item.decoding)
+        budget = None  # draft tokens verified, on a speculative engine's decoding steps
         if self.policy is not None:
+            num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
+            num_decoding = sum(1 for item in batch.scheduled if item.decoding)
             self._inform_policy(
                 batch, num_draft_tokens, num_decoding, accepted, executed - proposed, start
             )
+            budget = num_draft_tokens if num_decoding else None
         timings = (proposed - start, checked - proposed, decided - checked)
-        budget = num_draft_tokens if self.policy is not None and num_decoding else None
         self._emit_stats(batch, num_prompt_tokens, accepted, timings, budget)
         return outputs
 

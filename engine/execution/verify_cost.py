@@ -38,14 +38,12 @@ class VerifyCost:
     def __call__(self, num_tokens):
         """Seconds for a pass of `num_tokens` tokens (a number, or an array of them: then an
         array): piecewise linear between the measured points, the last segment's slope beyond."""
-        x = _at_least(num_tokens, self.num_tokens[0])
-        return _piecewise_linear(self.num_tokens, self.seconds, x)
+        return _piecewise_linear(self.num_tokens, self.seconds, num_tokens)
 
     def logits(self, num_rows):
         """Seconds of the lm_head over `num_rows` rows (a number or an array; an expected number
         may be fractional): from nothing at 0 rows, piecewise linear through the measurements."""
-        x = _at_least(num_rows, 0.0)
-        return _piecewise_linear((0, *self.logits_rows), (0.0, *self.logits_seconds), x)
+        return _piecewise_linear((0, *self.logits_rows), (0.0, *self.logits_seconds), num_rows)
 
 
 _LIVE_WINDOW = 16  # live passes kept per measured point
@@ -91,8 +89,7 @@ class LiveVerifyCost:
                 for window, startup in zip(self.windows, self.startup.seconds)
             ]
             self._points = np.maximum.accumulate(points)
-        x = _at_least(num_tokens, self.startup.num_tokens[0])
-        return _piecewise_linear(self.startup.num_tokens, tuple(self._points), x)
+        return _piecewise_linear(self.startup.num_tokens, tuple(self._points), num_tokens)
 
 
 def node_logits_with_pass(cost: VerifyCost | None, num_sampled: int, num_nodes, num_trees: int):
@@ -110,22 +107,17 @@ def node_logits_with_pass(cost: VerifyCost | None, num_sampled: int, num_nodes, 
     return free | (extra < cost.logits(num_trees))
 
 
-def _at_least(x, low: float):
-    """max(x, low) of a number, or elementwise of an array (then a float64 array)."""
-    if isinstance(x, (int, float)):
-        return max(x, low)
-    return np.maximum(np.asarray(x, dtype=np.float64), low)
-
-
 def _piecewise_linear(xs: tuple, ys: tuple, x):
-    """y at `x` (a number, or an array: then an array) through the points (xs, ys), the last
-    segment's slope beyond the last point. A number takes a plain-Python path: the engine prices
-    one pass a step, where numpy's per-call overhead would cost more than the arithmetic."""
+    """y at `x` (a number, or an array: then an array) through the points (xs, ys): ys[0] below
+    the first point, the last segment's slope beyond the last. A number takes a plain-Python
+    path: the engine prices one pass a step, where numpy's per-call overhead would cost more
+    than the arithmetic."""
     if isinstance(x, (int, float)):
         if len(xs) == 1 or x <= xs[0]:
             return float(ys[0])
         i = min(bisect.bisect_left(xs, x), len(xs) - 1)  # x in (xs[i-1], xs[i]], or beyond
         return float(ys[i - 1] + (x - xs[i - 1]) * (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1]))
+    x = np.asarray(x, dtype=np.float64)
     last_slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
     y = np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * last_slope, np.interp(x, xs, ys))
     return float(y) if y.ndim == 0 else y
