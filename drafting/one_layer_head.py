@@ -47,3 +47,7 @@ class OneLayerHead(nn.Module):
         and the MLP are skipped."""
         x, _ = self._layer_input(input_ids, features, target_embedding)
         self.self_attn.store_kv(x, self.rotary.cos_sin(positions, x.dtype), kv_cache, slot_mapping)
+
+    def split_kv_projection(self) -> None:
+        """For inference: `store_kv` projects onto K and V alone (Attention.split_kv_projection)."""
+        self.self_attn.split_kv_projection()

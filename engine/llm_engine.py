@@ -88,6 +88,7 @@ class LLMEngine:
             head.feature_layers if head else (),
         )
         if head:  # the head's passes are as few rows as the target's, and choose as they do
+            head.split_kv_projection()
             if config.fp16_draft_weights:  # or half the bytes, where FBGEMM runs them
                 use_fp16_linears(head)
             use_cpu_linears(head, self.runner.linear_kernels)

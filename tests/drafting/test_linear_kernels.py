@@ -119,7 +119,7 @@ def test_fp16_draft_weights_draft_as_fp32_ones_do_and_stay_exact(
 
     drafter = llm.engine.drafter
     head_linears = [m for m in drafter.head.modules() if isinstance(m, Fp16Linear)]
-    assert len(head_linears) == 5  # fc, qkv, o, gate_up, down
+    assert len(head_linears) == 6  # fc, qkv, kv (for store_kv), o, gate_up, down
     assert isinstance(drafter.draft_logits, Fp16Linear)
     assert not any(isinstance(m, Fp16Linear) for m in llm.engine.runner.model.modules())
     for prompt, a, b in zip(prompts, plain, fp16):

@@ -35,6 +35,7 @@ class Attention(DirectCallModule):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.cpu_kernels: CpuKernels | None = None  # set by use_cpu_kernels
+        self.kv_proj: nn.Linear | None = None  # set by split_kv_projection
 
     def forward(
         self,
@@ -61,11 +62,37 @@ class Attention(DirectCallModule):
     ) -> None:
         """Write the K/V of `x`'s tokens to the cache without attending: for tokens whose
         output no one reads, only later tokens' attention to them."""
-        _, k, v = self._project(x, cos_sin)
+        k, v = (
+            self._project(x, cos_sin)[1:] if self.kv_proj is None else self._project_kv(x, cos_sin)
+        )
         if self.cpu_kernels is not None:
             self.cpu_kernels.store_kv(k, v, *kv_cache, slot_mapping)
         else:
             store_kv(k, v, *kv_cache, slot_mapping)
+
+    def split_kv_projection(self) -> None:
+        """Give `store_kv` a projection of its own onto K and V alone (qkv_proj's rows after q's,
+        sharing their memory), so that storing skips q's share of the matmul. Call it on the
+        nn.Linear, before any swap for a kernel: those copy the weight they are given."""
+        q_size = self.num_heads * self.head_dim
+        qkv = self.qkv_proj
+        self.kv_proj = nn.Linear(qkv.in_features, qkv.out_features - q_size, qkv.bias is not None)
+        self.kv_proj.weight = nn.Parameter(qkv.weight.detach()[q_size:], requires_grad=False)
+        if qkv.bias is not None:
+            self.kv_proj.bias = nn.Parameter(qkv.bias.detach()[q_size:], requires_grad=False)
+
+    def _project_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """k [T, KV, D] (normed and rotated) and v [T, KV, D] of `x` [T, input_size]."""
+        num_tokens, num_kv_heads, head_dim = x.shape[0], self.num_kv_heads, self.head_dim
+        kv = self.kv_proj(x)  # [T, 2 * KV * D]
+        k = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+        v = kv[:, num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.cpu_kernels is not None:  # in place: k is this pass's own buffer
+            self.cpu_kernels.rotary_(k, *cos_sin)
+            return k, v
+        return apply_rotary(k, *cos_sin), v
 
     def _project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
         """q [T, H, D], k [T, KV, D] (normed and rotated) and v [T, KV, D] of `x` [T, hidden]."""
