@@ -68,6 +68,9 @@ class TrainConfig:
     # also learn the target's next token inside user and system turns: their features are cached
     # and the head runs over them anyway, so these labels cost only their share of the loss
     prompt_loss: bool = False
+    # EAGLE-3: keep the head's norm and lm_head the target's (as EAGLE-1/2 heads read the target's
+    # own): fewer weights to learn from the same data, and no lm_head gradient to compute
+    freeze_lm_head: bool = False
     init_head: str | None = None  # start from this head's weights (and its draft vocabulary)
     resume: bool = False
     seed: int = 0
@@ -82,6 +85,8 @@ class TrainConfig:
             )
         if self.feature_weight is not None and self.feature_weight < 0:
             raise AerieError(f"--feature-weight must not be negative: {self.feature_weight}")
+        if self.freeze_lm_head and self.arch != "eagle3":
+            raise AerieError("--freeze-lm-head is for --arch eagle3 (EAGLE-2 reads the target's)")
         if self.intermediate_size < 0:
             raise AerieError(f"--intermediate-size must not be negative: {self.intermediate_size}")
         if self.intermediate_size and self.init_head:
@@ -193,7 +198,11 @@ class HeadTrainer:
             head = self._new_head(examples)  # its draft vocabulary: the answers' tokens
         if self.config.prompt_loss:
             examples = [replace(e, loss_mask=torch.ones_like(e.loss_mask)) for e in examples]
-        optimizer = torch.optim.AdamW(head.parameters(), lr=self.config.lr, weight_decay=0.0)
+        if self.config.freeze_lm_head:
+            head.norm.requires_grad_(False)
+            head.lm_head.requires_grad_(False)
+        trained = [p for p in head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=self.config.lr, weight_decay=0.0)
         steps_per_epoch = max(
             1, sum(len(e.token_ids) for e in examples) // self.config.batch_tokens
         )

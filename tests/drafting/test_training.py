@@ -80,6 +80,8 @@ def test_flags_that_do_not_fit_the_head_are_refused(tmp_path):
         TrainConfig("m", data, tmp_path, intermediate_size=64, init_head=str(tmp_path))
     with pytest.raises(AerieError, match="feature-weight"):
         TrainConfig("m", data, tmp_path, arch="eagle3", feature_weight=-1.0)
+    with pytest.raises(AerieError, match="freeze-lm-head"):
+        TrainConfig("m", data, tmp_path, freeze_lm_head=True)
 
 
 @pytest.mark.parametrize(("flags", "weight"), [([], None), (["--feature-weight", "0.5"], 0.5)])
@@ -171,6 +173,23 @@ def test_a_reduced_vocabulary_head_is_trained_on_its_tokens(bigram_target, tmp_p
     assistant_tokens = {tokenizer.convert_tokens_to_ids(c) for c in "ABCDEFGH"}
     assert len(vocab) == 24 and assistant_tokens <= set(vocab)
     assert_decodes_as_plain(bigram_target, head)
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trained"])
+def test_freeze_lm_head_keeps_the_targets_rows(bigram_target, tmp_path, frozen):
+    """--freeze-lm-head: the EAGLE-3 head's norm and lm_head are still the target's after training
+    (its rows of the draft vocabulary, as saved in fp16); without it they move. Either drafts
+    losslessly."""
+    overrides = dict(draft_vocab_size=24, arch="eagle3", freeze_lm_head=frozen, lr=1e-2)
+    folder = train_head(quick_config(bigram_target, tmp_path, 30, **overrides))
+    llm = LLM(str(bigram_target), draft=None)
+    head = load_head(folder, llm.engine.spec, 256, torch.device("cpu"), torch.float32)
+    target = llm.engine.runner.model
+    as_saved = target.lm_head.weight[head.draft_vocab].half().float()  # [V_draft, hidden]
+    kept = torch.equal(head.lm_head.weight, as_saved)
+    kept_norm = torch.equal(head.norm.weight, target.norm.weight.half().float())
+    assert (kept, kept_norm) == (frozen, frozen)
+    assert_decodes_as_plain(bigram_target, folder)
 
 
 def test_an_eagle2_head_with_a_reduced_vocabulary_is_refused(bigram_target, tmp_path):
