@@ -28,9 +28,11 @@ root:
     .venv/bin/python benchmarks/bench_serve.py                              # the full sweep
     .venv/bin/python benchmarks/bench_serve.py --concurrency 1,4 --max-tokens 16 \\
         --out /tmp/serve.json                                               # a smoke test
-    .venv/bin/python benchmarks/bench_serve.py --configs aerie-spec,aerie-spec-useless,aerie-ar \\
-        --concurrency 1,4,16,32 --prompts benchmarks/data/dev_set.jsonl --category code \\
-        --out benchmarks/results/serve_controller_code.json       # the draft controller, on code
+    .venv/bin/python benchmarks/bench_serve.py \\
+        --configs aerie-spec,aerie-spec-useless,aerie-ar,aerie-ar-twin --concurrency 1,4,16,32 \\
+        --rounds 3 --prompts-per-client 2 --range-ratio 0.5 \\
+        --prompts benchmarks/data/dev_set.jsonl --category code \\
+        --out benchmarks/results/serve_controller_code_rounds.json  # the draft controller, on code
 """
 
 from __future__ import annotations
