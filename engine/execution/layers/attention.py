@@ -89,10 +89,7 @@ class Attention(DirectCallModule):
         v = kv[:, num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        if self.cpu_kernels is not None:  # in place: k is this pass's own buffer
-            self.cpu_kernels.rotary_(k, *cos_sin)
-            return k, v
-        return apply_rotary(k, *cos_sin), v
+        return self._rotated(k, cos_sin), v
 
     def _project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
         """q [T, H, D], k [T, KV, D] (normed and rotated) and v [T, KV, D] of `x` [T, hidden]."""
@@ -103,9 +100,13 @@ class Attention(DirectCallModule):
         v = qkv[:, split:].view(num_tokens, num_kv_heads, self.head_dim)  # [T, KV, D]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])), dim=1)
-        if self.cpu_kernels is not None:  # in place: qk is this pass's own buffer
-            self.cpu_kernels.rotary_(qk, *cos_sin)
-        else:
-            qk = apply_rotary(qk, *cos_sin)  # [T, H + KV, D]: q and k rotated in one pass
+        qk = self._rotated(qk, cos_sin)  # [T, H + KV, D]: q and k rotated in one pass
         q, k = qk.split([num_heads, num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
         return q, k, v
+
+    def _rotated(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """x [T, heads, D], this pass's own buffer, rotated (in place by the CPU kernel)."""
+        if self.cpu_kernels is not None:
+            self.cpu_kernels.rotary_(x, *cos_sin)
+            return x
+        return apply_rotary(x, *cos_sin)
