@@ -1,17 +1,17 @@
 """What speculation costs under load: AR and EAGLE (draft controller) stepped in turns, by step.
 
-At high load the draft controller mostly decodes plainly, so the speculative engine should cost
-what plain decoding does; what it spends on top (exploring, the head's catch-ups, bookkeeping) is a
-few percent, less than this shared machine's drift between two runs. So the two engines serve the
-same requests in one process, taking turns one engine step at a time, and the figures are ratios of
-their summed step times. Each engine keeps B requests running, as a server does under B clients:
-when one finishes, the next is admitted (MT-bench first turns in order, cycled; greedy, EOS banned,
-lengths spread evenly from half to one and a half times ``--max-tokens``, the same for both), until
-``(rounds + 1) * B`` requests have been admitted. The figures are over the steady state: from the
-step at which its first B requests have all finished (the start-up, when they were prefilled
-together and the draft controller first learned this batch size, is over: a server pays it once)
-until the last request is admitted (the last B then drain). The ratio over every step, start-up and
-drain included, is reported beside.
+At high load the draft controller mostly decodes plainly, so the speculative engine should cost what
+plain decoding does; what it spends on top (exploring, the head's catch-ups, bookkeeping) is a few
+percent, less than this shared machine's drift between two runs. So the two engines serve the same
+requests in one process, taking turns one engine step at a time, and the figures are ratios of their
+summed step times. Each engine keeps B requests running, as a server does under B clients: when one
+finishes, the next is admitted (MT-bench first turns, or ``--prompts FILE [--category C]``, in
+order, cycled; greedy, EOS banned, lengths spread evenly from half to one and a half times
+``--max-tokens``, the same for both), until ``(rounds + 1) * B`` requests have been admitted. The
+figures are over the steady state: from the step at which its first B requests have all finished
+(the start-up, when they were prefilled together and the draft controller first learned this batch
+size, is over: a server pays it once) until the last request is admitted (the last B then drain).
+The ratio over every step, start-up and drain included, is reported beside.
 
 Two things about the requests matter to the ratio. Requests of one length started together
 finish together under AR, and the next ones are then prefilled in one large pass, while
@@ -25,7 +25,8 @@ head's propose, the target's verify), the steps that verified drafts, and the de
 B requests split into drafting and plain ones (ms a step, tokens a sequence). Writes
 ``load_overhead.json`` and ``load_overhead.png`` to ``--out-dir`` (``load_overhead_<variant>``
 with ``--useless-head``, a head of random weights, or ``--never-draft``, the controller fixed to
-plain steps: what a plain step costs beside ``--draft none``). From the repository root:
+plain steps: what a plain step costs beside ``--draft none``; ``_<category>`` appended with
+``--category``). From the repository root:
 
     .venv/bin/python benchmarks/bench_load_overhead.py    # ~12 minutes
 """
@@ -47,6 +48,7 @@ from tqdm import tqdm
 from engine import LLM, SamplingParams
 from engine.execution.model_files import DEFAULT_MODEL
 from engine.stats import StepStats
+from server.serving_benchmark import load_prompts
 
 from plotting import png_figure
 
@@ -185,6 +187,8 @@ def main() -> None:
         "--one-length", action="store_true", help="every request --max-tokens long (lockstep)"
     )
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--prompts", type=Path, default=QUESTIONS, help="JSONL (MT-bench's)")
+    parser.add_argument("--category", default=None, help="only the prompts of this category")
     parser.add_argument("--useless-head", action="store_true", help="random head weights")
     parser.add_argument("--never-draft", action="store_true", help="the controller: plain only")
     args = parser.parse_args()
@@ -199,11 +203,8 @@ def main() -> None:
     if args.never_draft:
         llms["eagle"].engine.policy.controller.choose = lambda num_decoding: False
     variant = "_useless-head" if args.useless_head else "_never-draft" if args.never_draft else ""
-    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
-    prompts = [
-        llms["ar"].apply_chat_template([{"role": "user", "content": q["turns"][0]}])
-        for q in questions
-    ]
+    variant += f"_{args.category}" if args.category else ""
+    prompts = [llms["ar"].apply_chat_template(m) for m in load_prompts(args.prompts, args.category)]
     warm_up = SamplingParams(temperature=0, max_tokens=8)
     for llm in llms.values():
         llm.generate(prompts[:2], warm_up, use_tqdm=False)
@@ -237,6 +238,8 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     settings = {
         "model": DEFAULT_MODEL,
+        "prompts": args.prompts.name,
+        "category": args.category,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         **options,
