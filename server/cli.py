@@ -145,12 +145,23 @@ def _add_dataclass_flags(cmd, config_class, skip: tuple[str, ...]) -> None:
         cmd.add_argument(flag, type=kind, default=field.default, help=f"default: {field.default}")
 
 
-def _flag_type(annotation) -> type:
-    """What a flag's text is parsed as: its field's type, `X | None` read as an X."""
+def _flag_type(annotation):
+    """What a flag's text is parsed as: its field's type, `X | None` read as an X, and
+    `tuple[int, ...]` as comma-separated integers."""
     types = typing.get_args(annotation)
     if type(None) in types:
         (annotation,) = (t for t in types if t is not type(None))
+    if typing.get_origin(annotation) is tuple:
+        return _integers
     return annotation
+
+
+def _integers(text: str) -> tuple[int, ...]:
+    """'2,15,29' -> (2, 15, 29)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from error
 
 
 def _config_from_args(config_class, args: argparse.Namespace):

@@ -71,6 +71,9 @@ class TrainConfig:
     # EAGLE-3: keep the head's norm and lm_head the target's (as EAGLE-1/2 heads read the target's
     # own): fewer weights to learn from the same data, and no lm_head gradient to compute
     freeze_lm_head: bool = False
+    # EAGLE-3: the target layers whose input residual streams the head reads; (): vLLM's default
+    # for the target (training_feature_layers). Published in the head's config for other engines
+    feature_layers: tuple[int, ...] = ()
     init_head: str | None = None  # start from this head's weights (and its draft vocabulary)
     resume: bool = False
     seed: int = 0
@@ -87,6 +90,10 @@ class TrainConfig:
             raise AerieError(f"--feature-weight must not be negative: {self.feature_weight}")
         if self.freeze_lm_head and self.arch != "eagle3":
             raise AerieError("--freeze-lm-head is for --arch eagle3 (EAGLE-2 reads the target's)")
+        if self.feature_layers and (self.arch != "eagle3" or self.init_head):
+            raise AerieError(
+                "--feature-layers shapes a new EAGLE-3 head (--arch eagle3, no --init-head)"
+            )
         if self.intermediate_size < 0:
             raise AerieError(f"--intermediate-size must not be negative: {self.intermediate_size}")
         if self.intermediate_size and self.init_head:
@@ -112,13 +119,27 @@ class HeadTrainer:
         self.target = self.llm.engine.runner.model.requires_grad_(False)
         self.hf_config = self.llm.engine.hf_config
         if config.arch == "eagle3":  # the target's features: three layers' states
-            self.target.feature_layers = training_feature_layers(self.llm.engine.spec.num_layers)
+            self.target.feature_layers = self._feature_layers()
+
+    def _feature_layers(self) -> tuple[int, ...]:
+        """The target layers an EAGLE-3 head reads: those of the head being continued, those
+        asked for, or vLLM's default."""
+        if self.config.init_head:
+            return self._initial_head(self.config.init_head).feature_layers
+        num_layers = self.llm.engine.spec.num_layers
+        layers = self.config.feature_layers or training_feature_layers(num_layers)
+        if not all(0 <= layer < num_layers for layer in layers):
+            raise AerieError(
+                f"--feature-layers {list(layers)} outside the target's {num_layers} layers"
+            )
+        return tuple(layers)
 
     # ------------------------------------------------------------------ stage 1
     def cache_features(self) -> list[Path]:
         """Shards of (token ids, loss mask, fp16 features); existing shards are kept."""
         folder = self.out / ("features" if self.config.arch == "eagle2" else "features-eagle3")
         folder.mkdir(exist_ok=True)
+        self._check_cached_layers(folder)
         done = sorted(folder.glob("shard-*.safetensors"))
         if (folder / "complete").exists():
             return done
@@ -140,6 +161,18 @@ class HeadTrainer:
         bar.close()
         (folder / "complete").write_text("")
         return sorted(folder.glob("shard-*.safetensors"))
+
+    def _check_cached_layers(self, folder: Path) -> None:
+        """Cached features are of the layers they were computed from: refuse to train on others'."""
+        record = folder / "feature_layers.json"
+        layers = list(self.target.feature_layers)
+        if record.exists() and json.loads(record.read_text()) != layers:
+            raise AerieError(
+                f"{folder} holds features of layers {json.loads(record.read_text())}, not "
+                f"{layers}: use another --out"
+            )
+        if not record.exists() and not any(folder.iterdir()):
+            record.write_text(json.dumps(layers))
 
     def _training_conversations(self):
         config = self.config

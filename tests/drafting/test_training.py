@@ -82,6 +82,20 @@ def test_flags_that_do_not_fit_the_head_are_refused(tmp_path):
         TrainConfig("m", data, tmp_path, arch="eagle3", feature_weight=-1.0)
     with pytest.raises(AerieError, match="freeze-lm-head"):
         TrainConfig("m", data, tmp_path, freeze_lm_head=True)
+    with pytest.raises(AerieError, match="feature-layers"):
+        TrainConfig("m", data, tmp_path, feature_layers=(0, 1, 1))  # EAGLE-2 reads one state
+    with pytest.raises(AerieError, match="feature-layers"):
+        TrainConfig("m", data, tmp_path, arch="eagle3", feature_layers=(0, 1), init_head="h")
+
+
+def test_feature_layers_flag_reads_comma_separated_layers(tmp_path, monkeypatch):
+    configs = []
+    monkeypatch.setattr(trainer, "train_head", lambda config: configs.append(config) or "")
+    main(["train-head", "--out", str(tmp_path), "--arch", "eagle3", "--feature-layers", "2,15,29"])
+    main(["train-head", "--out", str(tmp_path), "--arch", "eagle3"])
+    assert [c.feature_layers for c in configs] == [(2, 15, 29), ()]
+    with pytest.raises(SystemExit):
+        main(["train-head", "--out", str(tmp_path), "--feature-layers", "2,last"])
 
 
 @pytest.mark.parametrize(("flags", "weight"), [([], None), (["--feature-weight", "0.5"], 0.5)])
@@ -173,6 +187,27 @@ def test_a_reduced_vocabulary_head_is_trained_on_its_tokens(bigram_target, tmp_p
     assistant_tokens = {tokenizer.convert_tokens_to_ids(c) for c in "ABCDEFGH"}
     assert len(vocab) == 24 and assistant_tokens <= set(vocab)
     assert_decodes_as_plain(bigram_target, head)
+
+
+@pytest.mark.slow
+def test_feature_layers_shape_the_head_and_its_cached_features(bigram_target, tmp_path):
+    """--feature-layers: the head reads and publishes the layers asked for and drafts losslessly
+    with them; asking for other layers in the same folder is refused, not trained on the features
+    cached from the first ones; a layer the target lacks is refused; training the head further
+    reads its own layers."""
+    overrides = dict(arch="eagle3", draft_vocab_size=24, feature_layers=(1, 0, 1))
+    config = quick_config(bigram_target, tmp_path, 30, **overrides)
+    folder = train_head(config)
+    published = json.loads((folder / "config.json").read_text())["eagle_config"]
+    assert published["eagle_aux_hidden_state_layer_ids"] == [1, 0, 1]
+    assert_decodes_as_plain(bigram_target, folder)
+    with pytest.raises(AerieError, match=r"features of layers \[1, 0, 1\]"):
+        train_head(TrainConfig(**{**config.__dict__, "feature_layers": ()}))
+    with pytest.raises(AerieError, match="outside the target's"):
+        HeadTrainer(TrainConfig(**{**config.__dict__, "feature_layers": (0, 1, 2)}))
+    further = {"feature_layers": (), "init_head": str(folder), "out": tmp_path / "further"}
+    continued = HeadTrainer(TrainConfig(**{**config.__dict__, **further}))
+    assert continued.target.feature_layers == (1, 0, 1)  # a continued head keeps its layers
 
 
 @pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trained"])
