@@ -19,9 +19,10 @@ concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
 
 The Aerie servers run at once, idle but for the one being measured: each concurrency level runs
 against each configuration in turn, so a slow spell of this shared machine hits them alike. Each of
-`--rounds` rounds starts the servers afresh, the order flipping each round; a level's rounds are
-pooled, and its ratios to AR are taken per round (the median, and each round's, are reported).
-transformers runs after them, in this process. Results merge into
+`--rounds` rounds starts the servers afresh, the order rotating each round (the server that runs
+first in a round runs slowest, docs/benchmarks.md); a level's rounds are pooled, and its ratios
+to AR are taken per round (the median, and each round's, are reported). transformers runs after
+them, in this process. Results merge into
 benchmarks/results/serve.json (with the ratios to AR per level) and serve.png. From the repository
 root:
 
@@ -98,14 +99,17 @@ def main() -> None:
 
 def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
     """Each of `--rounds` rounds starts every Aerie configuration afresh (idle servers sleep) and
-    runs each concurrency level against each in turn, the order flipping each round: a slow spell
-    of this shared machine hits them alike, and a process that happens to run slow (where its
-    memory and threads landed) is one round's, not the whole run's."""
+    runs each concurrency level against each in turn: a slow spell of this shared machine hits them
+    alike, and a process that happens to run slow (where its memory and threads landed) is one
+    round's, not the whole run's. The order rotates each round, so that each configuration runs
+    first (which runs slowest) in as few rounds as the others: with at least three rounds and
+    three configurations, at most one of its rounds and never the median."""
     if "aerie-spec-useless" in labels:
         useless_head(DEFAULT_MODEL, USELESS_HEAD)
     rounds = {label: [[] for _ in levels] for label in labels}  # per label, per level: rounds
     for round_index in range(args.rounds):
-        order = labels if round_index % 2 == 0 else labels[::-1]
+        shift = round_index % len(labels)
+        order = labels[shift:] + labels[:shift]
         with contextlib.ExitStack() as stack:
             urls = {
                 label: stack.enter_context(running_server(SERVERS[label], args.extra_server_args))
