@@ -101,9 +101,8 @@ def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
     """Each of `--rounds` rounds starts every Aerie configuration afresh (idle servers sleep) and
     runs each concurrency level against each in turn: a slow spell of this shared machine hits them
     alike, and a process that happens to run slow (where its memory and threads landed) is one
-    round's, not the whole run's. The order rotates each round, so that each configuration runs
-    first (which runs slowest) in as few rounds as the others: with at least three rounds and
-    three configurations, at most one of its rounds and never the median."""
+    round's, not the whole run's. The order rotates each round, so that every configuration runs
+    first (which runs slowest) equally often: once in every len(labels) rounds."""
     if "aerie-spec-useless" in labels:
         useless_head(DEFAULT_MODEL, USELESS_HEAD)
     rounds = {label: [[] for _ in levels] for label in labels}  # per label, per level: rounds

@@ -38,6 +38,11 @@ def default_feature_layers(num_target_layers: int) -> tuple[int, int, int]:
     return (2, num_target_layers // 2, num_target_layers - 3)
 
 
+def feature_layers_fit(layers: tuple[int, ...], num_target_layers: int) -> bool:
+    """Whether every feature layer is one of the target's (a layer's input is read)."""
+    return all(0 <= layer < num_target_layers for layer in layers)
+
+
 @dataclass(frozen=True)
 class Eagle3Spec:
     hidden_size: int
@@ -255,7 +260,7 @@ def _check_against_target(spec: Eagle3Spec, target: ModelSpec, weights: dict, fo
         )
     if spec.hidden_size != target.hidden_size and "embed_tokens.weight" not in weights:
         problems.append("the head's width differs from the target's and it has no embed_tokens")
-    if not all(0 <= layer < target.num_layers for layer in spec.feature_layers):
+    if not feature_layers_fit(spec.feature_layers, target.num_layers):
         problems.append(
             f"feature layers {list(spec.feature_layers)} outside the target's "
             f"{target.num_layers} layers"

@@ -26,7 +26,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from drafting.eagle3_head import Eagle3Head, Eagle3Spec, default_feature_layers
+from drafting.eagle3_head import (
+    Eagle3Head,
+    Eagle3Spec,
+    default_feature_layers,
+    feature_layers_fit,
+)
 from drafting.head import EagleHead, HeadSpec
 from drafting.head_loader import DraftHead, load_head, save_head
 from drafting.training.data import is_held_out, load_conversations, training_conversations
@@ -118,17 +123,19 @@ class HeadTrainer:
         self.llm = LLM(config.target, draft=None, num_kv_blocks=64)
         self.target = self.llm.engine.runner.model.requires_grad_(False)
         self.hf_config = self.llm.engine.hf_config
+        # the head to train further, loaded once: its feature layers decide stage 1's features
+        self.initial_head = self._initial_head(config.init_head) if config.init_head else None
         if config.arch == "eagle3":  # the target's features: three layers' states
             self.target.feature_layers = self._feature_layers()
 
     def _feature_layers(self) -> tuple[int, ...]:
         """The target layers an EAGLE-3 head reads: those of the head being continued, those
         asked for, or vLLM's default."""
-        if self.config.init_head:
-            return self._initial_head(self.config.init_head).feature_layers
+        if self.initial_head is not None:
+            return self.initial_head.feature_layers
         num_layers = self.llm.engine.spec.num_layers
         layers = self.config.feature_layers or training_feature_layers(num_layers)
-        if not all(0 <= layer < num_layers for layer in layers):
+        if not feature_layers_fit(layers, num_layers):
             raise AerieError(
                 f"--feature-layers {list(layers)} outside the target's {num_layers} layers"
             )
@@ -166,13 +173,15 @@ class HeadTrainer:
         """Cached features are of the layers they were computed from: refuse to train on others'."""
         record = folder / "feature_layers.json"
         layers = list(self.target.feature_layers)
-        if record.exists() and json.loads(record.read_text()) != layers:
+        if not record.exists():  # an older cache without a record holds the default layers
+            if not any(folder.iterdir()):
+                record.write_text(json.dumps(layers))
+            return
+        cached = json.loads(record.read_text())
+        if cached != layers:
             raise AerieError(
-                f"{folder} holds features of layers {json.loads(record.read_text())}, not "
-                f"{layers}: use another --out"
+                f"{folder} holds features of layers {cached}, not {layers}: use another --out"
             )
-        if not record.exists() and not any(folder.iterdir()):
-            record.write_text(json.dumps(layers))
 
     def _training_conversations(self):
         config = self.config
@@ -225,10 +234,9 @@ class HeadTrainer:
     # ------------------------------------------------------------------ stage 2
     def train(self, shards: list[Path]) -> Path:
         examples = [e for shard in shards for e in _read_shard(shard)]
-        if self.config.init_head:
-            head = self._initial_head(self.config.init_head)
-        else:
-            head = self._new_head(examples)  # its draft vocabulary: the answers' tokens
+        head = self.initial_head  # or a new one, its draft vocabulary the answers' tokens
+        if head is None:
+            head = self._new_head(examples)
         if self.config.prompt_loss:
             examples = [replace(e, loss_mask=torch.ones_like(e.loss_mask)) for e in examples]
         if self.config.freeze_lm_head:
@@ -387,7 +395,7 @@ class HeadTrainer:
 def training_feature_layers(num_layers: int) -> tuple[int, ...]:
     """vLLM's default EAGLE-3 layers where the target has enough of them; else low, middle, last."""
     layers = default_feature_layers(num_layers)
-    if all(0 <= layer < num_layers for layer in layers):
+    if feature_layers_fit(layers, num_layers):
         return layers
     return (0, num_layers // 2, num_layers - 1)
 
