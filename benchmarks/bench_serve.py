@@ -21,10 +21,10 @@ The Aerie servers run at once, idle but for the one being measured: each concurr
 against each configuration in turn, so a slow spell of this shared machine hits them alike. Each of
 `--rounds` rounds starts the servers afresh, the order rotating each round (the server that runs
 first in a round runs slowest, docs/benchmarks.md); a level's rounds are pooled, and its ratios
-to AR are taken per round (the median, and each round's, are reported). transformers runs after
-them, in this process. Results merge into
-benchmarks/results/serve.json (with the ratios to AR per level) and serve.png. From the repository
-root:
+to AR are taken per round (the median, and each round's, are reported), and a speculative
+server's levels record its decode steps and those that verified drafts (from its /metrics).
+transformers runs after them, in this process. Results merge into benchmarks/results/serve.json
+(with the ratios to AR per level) and serve.png. From the repository root:
 
     .venv/bin/python benchmarks/bench_serve.py                              # the full sweep
     .venv/bin/python benchmarks/bench_serve.py --concurrency 1,4 --max-tokens 16 \\
@@ -53,6 +53,7 @@ from pathlib import Path
 import httpx
 import torch
 import transformers
+from prometheus_client.parser import text_string_to_metric_families
 from random_head import useless_head
 from tqdm import tqdm
 
@@ -118,9 +119,30 @@ def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
                 run_benchmark(replace(bench_config(args, (1,), url, label), num_prompts=2))
             for level, concurrency in enumerate(levels):
                 for label, url in urls.items():
+                    before = decode_steps(url)
                     result = run_benchmark(bench_config(args, (concurrency,), url, label))
+                    after = decode_steps(url)
+                    if after is not None:  # a speculative server: what its controller chose
+                        result["levels"][0]["decode_steps"] = after[0] - before[0]
+                        result["levels"][0]["verifying_steps"] = after[1] - before[1]
                     rounds[label][level].append(result)
     return [_combined(per_level, levels) for per_level in rounds.values()]
+
+
+def decode_steps(base_url: str) -> tuple[float, float] | None:
+    """A speculative server's decode steps so far and those that verified drafts (its /metrics;
+    None for a server that does not speculate)."""
+    steps = plain = None
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "aerie_spec_decode_draft_budget_tokens_count":
+                steps = sample.value
+            elif sample.name == "aerie_spec_decode_plain_steps_total":
+                plain = sample.value
+    if steps is None or plain is None:
+        return None
+    return steps, steps - plain
 
 
 def _combined(per_level: list[list[dict]], levels) -> dict:
@@ -148,6 +170,9 @@ def _pooled(rounds: list[dict]) -> dict:
         "output_throughput": tokens / seconds,
         "rounds": rounds,
     }
+    for name in ("decode_steps", "verifying_steps"):
+        if all(name in r for r in rounds):
+            pooled[name] = sum(r[name] for r in rounds)
     for name in ("mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2e_ms"):
         values = [(r[name], r["completed"]) for r in rounds if r.get(name) is not None]
         if values:  # p99 ITL: the rounds' p99s weighted alike, a summary for the plot
