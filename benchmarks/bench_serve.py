@@ -21,8 +21,9 @@ The Aerie servers run at once, idle but for the one being measured: each concurr
 against each configuration in turn, so a slow spell of this shared machine hits them alike. Each of
 `--rounds` rounds starts the servers afresh, the order rotating each round (the server that runs
 first in a round runs slowest, docs/benchmarks.md); a level's rounds are pooled, and its ratios
-to AR are taken per round (the median, and each round's, are reported), and a speculative
-server's levels record its decode steps and those that verified drafts (from its /metrics).
+to AR are taken per round (the median, and each round's, are reported); each level also records
+a server's engine seconds by step phase and, speculating, its decode steps and those that
+verified drafts (from /metrics).
 transformers runs after them, in this process. Results merge into benchmarks/results/serve.json
 (with the ratios to AR per level) and serve.png. From the repository root:
 
@@ -78,6 +79,14 @@ SERVERS = {
     "aerie-spec-compiled": ["--draft", "auto", "--enable-torch-compile"],
     "aerie-ar-compiled": ["--draft", "none", "--enable-torch-compile"],
 }
+# server_counters' names, summed over a level's rounds
+COUNTERS = (
+    "propose_seconds",
+    "verify_seconds",
+    "accept_seconds",
+    "decode_steps",
+    "verifying_steps",
+)
 READY_TIMEOUT_S = 1200  # compiling servers start together and share the cores
 
 
@@ -119,30 +128,32 @@ def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
                 run_benchmark(replace(bench_config(args, (1,), url, label), num_prompts=2))
             for level, concurrency in enumerate(levels):
                 for label, url in urls.items():
-                    before = decode_steps(url)
+                    before = server_counters(url)
                     result = run_benchmark(bench_config(args, (concurrency,), url, label))
-                    after = decode_steps(url)
-                    if after is not None:  # a speculative server: what its controller chose
-                        result["levels"][0]["decode_steps"] = after[0] - before[0]
-                        result["levels"][0]["verifying_steps"] = after[1] - before[1]
+                    after = server_counters(url)
+                    result["levels"][0].update(
+                        {k: v - before.get(k, 0.0) for k, v in after.items()}
+                    )
                     rounds[label][level].append(result)
     return [_combined(per_level, levels) for per_level in rounds.values()]
 
 
-def decode_steps(base_url: str) -> tuple[float, float] | None:
-    """A speculative server's decode steps so far and those that verified drafts (its /metrics;
-    None for a server that does not speculate)."""
-    steps = plain = None
+def server_counters(base_url: str) -> dict[str, float]:
+    """What a server's /metrics count so far: engine seconds by step phase (propose, verify,
+    accept) and, for a speculative server, its decode steps and those that verified drafts."""
+    counters, plain = {}, 0.0
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "aerie_spec_decode_draft_budget_tokens_count":
-                steps = sample.value
+            if sample.name == "aerie_step_phase_seconds_total":
+                counters[f"{sample.labels['phase']}_seconds"] = sample.value
+            elif sample.name == "aerie_spec_decode_draft_budget_tokens_count":
+                counters["decode_steps"] = sample.value
             elif sample.name == "aerie_spec_decode_plain_steps_total":
                 plain = sample.value
-    if steps is None or plain is None:
-        return None
-    return steps, steps - plain
+    if "decode_steps" in counters:
+        counters["verifying_steps"] = counters["decode_steps"] - plain
+    return counters
 
 
 def _combined(per_level: list[list[dict]], levels) -> dict:
@@ -170,7 +181,7 @@ def _pooled(rounds: list[dict]) -> dict:
         "output_throughput": tokens / seconds,
         "rounds": rounds,
     }
-    for name in ("decode_steps", "verifying_steps"):
+    for name in COUNTERS:
         if all(name in r for r in rounds):
             pooled[name] = sum(r[name] for r in rounds)
     for name in ("mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2e_ms"):
