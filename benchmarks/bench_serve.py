@@ -23,9 +23,9 @@ against each configuration in turn, so a slow spell of this shared machine hits 
 first in a round runs slowest, docs/benchmarks.md); a level's rounds are pooled, and its ratios
 to AR are taken per round (the median, and each round's, are reported); each level also records
 a server's engine seconds by step phase and, speculating, its decode steps and those that
-verified drafts (from /metrics).
-transformers runs after them, in this process. Results merge into benchmarks/results/serve.json
-(with the ratios to AR per level) and serve.png. From the repository root:
+verified drafts (its /metrics, under "counters"). transformers runs after them, in this
+process. Results merge into benchmarks/results/serve.json (with the ratios to AR per level) and
+serve.png. From the repository root:
 
     .venv/bin/python benchmarks/bench_serve.py                              # the full sweep
     .venv/bin/python benchmarks/bench_serve.py --concurrency 1,4 --max-tokens 16 \\
@@ -79,14 +79,6 @@ SERVERS = {
     "aerie-spec-compiled": ["--draft", "auto", "--enable-torch-compile"],
     "aerie-ar-compiled": ["--draft", "none", "--enable-torch-compile"],
 }
-# server_counters' names, summed over a level's rounds
-COUNTERS = (
-    "propose_seconds",
-    "verify_seconds",
-    "accept_seconds",
-    "decode_steps",
-    "verifying_steps",
-)
 READY_TIMEOUT_S = 1200  # compiling servers start together and share the cores
 
 
@@ -131,9 +123,8 @@ def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
                     before = server_counters(url)
                     result = run_benchmark(bench_config(args, (concurrency,), url, label))
                     after = server_counters(url)
-                    result["levels"][0].update(
-                        {k: v - before.get(k, 0.0) for k, v in after.items()}
-                    )
+                    counters = {k: v - before.get(k, 0.0) for k, v in after.items()}
+                    result["levels"][0]["counters"] = counters
                     rounds[label][level].append(result)
     return [_combined(per_level, levels) for per_level in rounds.values()]
 
@@ -179,11 +170,9 @@ def _pooled(rounds: list[dict]) -> dict:
         "output_tokens": tokens,
         "request_throughput": completed / seconds,
         "output_throughput": tokens / seconds,
+        "counters": {k: sum(r["counters"][k] for r in rounds) for k in rounds[0]["counters"]},
         "rounds": rounds,
     }
-    for name in COUNTERS:
-        if all(name in r for r in rounds):
-            pooled[name] = sum(r[name] for r in rounds)
     for name in ("mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2e_ms"):
         values = [(r[name], r["completed"]) for r in rounds if r.get(name) is not None]
         if values:  # p99 ITL: the rounds' p99s weighted alike, a summary for the plot

@@ -134,7 +134,7 @@ class HeadTrainer:
         if self.initial_head is not None:
             return self.initial_head.feature_layers
         num_layers = self.llm.engine.spec.num_layers
-        layers = self.config.feature_layers or training_feature_layers(num_layers)
+        layers = self.config.feature_layers or self._default_feature_layers()
         if not feature_layers_fit(layers, num_layers):
             raise AerieError(
                 f"--feature-layers {list(layers)} outside the target's {num_layers} layers"
@@ -169,15 +169,24 @@ class HeadTrainer:
         (folder / "complete").write_text("")
         return sorted(folder.glob("shard-*.safetensors"))
 
+    def _default_feature_layers(self) -> tuple[int, ...]:
+        """The layers a head of this run's format reads unless told: none for EAGLE-2."""
+        if self.config.arch != "eagle3":
+            return ()
+        return training_feature_layers(self.llm.engine.spec.num_layers)
+
     def _check_cached_layers(self, folder: Path) -> None:
-        """Cached features are of the layers they were computed from: refuse to train on others'."""
+        """Cached features are of the layers they were computed from: refuse to train on others'.
+        A cache from before this record holds the layers every run read then: the defaults."""
         record = folder / "feature_layers.json"
         layers = list(self.target.feature_layers)
-        if not record.exists():  # an older cache without a record holds the default layers
-            if not any(folder.iterdir()):
-                record.write_text(json.dumps(layers))
+        if record.exists():
+            cached = json.loads(record.read_text())
+        elif any(folder.iterdir()):
+            cached = list(self._default_feature_layers())
+        else:
+            record.write_text(json.dumps(layers))
             return
-        cached = json.loads(record.read_text())
         if cached != layers:
             raise AerieError(
                 f"{folder} holds features of layers {cached}, not {layers}: use another --out"

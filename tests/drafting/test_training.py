@@ -193,8 +193,8 @@ def test_a_reduced_vocabulary_head_is_trained_on_its_tokens(bigram_target, tmp_p
 def test_feature_layers_shape_the_head_and_its_cached_features(bigram_target, tmp_path):
     """--feature-layers: the head reads and publishes the layers asked for and drafts losslessly
     with them; asking for other layers in the same folder is refused, not trained on the features
-    cached from the first ones; a layer the target lacks is refused; training the head further
-    reads its own layers."""
+    cached from the first ones (a cache without a record counts as the default layers'); a layer
+    the target lacks is refused; training the head further reads its own layers."""
     overrides = dict(arch="eagle3", draft_vocab_size=24, feature_layers=(1, 0, 1))
     config = quick_config(bigram_target, tmp_path, 30, **overrides)
     folder = train_head(config)
@@ -203,6 +203,9 @@ def test_feature_layers_shape_the_head_and_its_cached_features(bigram_target, tm
     assert_decodes_as_plain(bigram_target, folder)
     with pytest.raises(AerieError, match=r"features of layers \[1, 0, 1\]"):
         train_head(TrainConfig(**{**config.__dict__, "feature_layers": ()}))
+    (config.out / "features-eagle3" / "feature_layers.json").unlink()  # a cache from before it
+    with pytest.raises(AerieError, match=r"features of layers \[0, 1, 1\]"):
+        train_head(config)
     with pytest.raises(AerieError, match="outside the target's"):
         HeadTrainer(TrainConfig(**{**config.__dict__, "feature_layers": (0, 1, 2)}))
     further = {"feature_layers": (), "init_head": str(folder), "out": tmp_path / "further"}
