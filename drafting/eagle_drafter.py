@@ -1,11 +1,12 @@
 """EagleDrafter: EAGLE-2 dynamic-tree drafting for every decoding sequence of a step, batched,
 with an EAGLE-1/2 or an EAGLE-3 head (whose features are the target's three layers' states).
 
-Propose: first the head catches up on the positions whose target features arrived since its last
-pass (prefill chunks; a drafting sequence's root and accepted tokens of its last step, or every
-token it decoded plainly since its last full block): row i reads token i + 1 and the target's
-feature at i. For a decoding sequence the last of these rows predicts the feature
-after the root, whose lm_head distribution gives the tree's first layer. Each further layer runs
+Propose: first the head catches up on the drafting sequences' positions whose target features
+arrived since its last pass (the root and accepted tokens of their last step, or the tokens since
+their last full block: `settle` stores the full blocks of the sequences that did not draft, at the
+end of each step). Row i reads token i + 1 and the target's feature at i; a drafting sequence's
+last row predicts the feature after the root, whose lm_head distribution gives the tree's first
+layer. Each further layer runs
 the head once on the `top_k` best nodes of the newest layer (each attending to the context and its
 own ancestors), then all candidates are reranked (drafting/tree.py).
 
@@ -130,15 +131,11 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, batch: SchedulerOutput) -> dict[int, DraftTree]:
         """Draft trees for the sequences scheduled with draft scratch (the policy chose them as
-        it planned the step). The head's K/V catches up on every row of prompt chunks, and of a
-        drafting sequence, in one batched pass; a decoding sequence that does not draft catches
-        up only on the rows that fill KV blocks: a block joins the prefix cache once its K/V is
-        final in every layer, as it does without a head, and its features wait at most a block."""
+        it planned the step), after the head's K/V catches up on their pending rows in one
+        batched pass. The other sequences' rows are stored by `settle`, so a step that drafts
+        nothing runs no head at all here."""
         drafting = [item for item in batch.scheduled if item.num_lookahead > 0]
-        prompts = [item.seq for item in batch.scheduled if not item.decoding]
-        roots = self._catch_up([*prompts, *(item.seq for item in drafting)])
-        waiting = [item.seq for item in batch.scheduled if item.decoding and not item.num_lookahead]
-        self._store_full_blocks(waiting)
+        roots = self._catch_up([item.seq for item in drafting])
         drafting = [item for item in drafting if item.seq.seq_id in roots]
         if not drafting:
             return {}
@@ -146,14 +143,18 @@ class EagleDrafter:
         trees = self._grow(drafting, root_features, batch.num_new_tokens)
         return {item.seq.seq_id: tree for item, tree in zip(drafting, trees) if tree is not None}
 
-    def _store_full_blocks(self, seqs: list[Sequence]) -> None:
-        """Store the head K/V of each sequence's pending rows up to its last full KV block. The
-        rows after it stay pending; the newest of them joins the next drafting step's full pass
-        (this step's pass brings a newer one before that)."""
+    @torch.inference_mode()
+    def settle(self, seqs: list[Sequence]) -> None:
+        """Store the head K/V of each sequence's pending rows up to its last full KV block, the
+        newest row (the one a drafting step starts from) excepted: a block joins the prefix cache
+        once its K/V is final in every layer, as it does without a head, and features wait at
+        most a block. The rows after it join the next drafting step's full pass. Runs at the end
+        of the step that brought the features, before its outputs leave the engine: not at the
+        next step's start, when the server is busy streaming those outputs."""
         rows = _HeadRows()
         for seq in seqs:
             start = seq.num_head_computed_tokens
-            available = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            available = min(seq.num_computed_tokens, seq.num_tokens - 2)  # the newest row waits
             end = available // self.block_size * self.block_size
             if end > start:
                 rows.add(seq, start, end, _take_pending(seq, end - start))

@@ -217,7 +217,7 @@ class LLMEngine:
         checked = time.perf_counter()
         accepted = self._accept(batch, trees, verified)  # accept
         decided = time.perf_counter()
-        outputs = self._commit(batch, accepted, verified)  # commit
+        outputs, settle_seconds = self._commit(batch, trees, accepted, verified)  # commit
         budget = None  # draft tokens verified, on a speculative engine's decoding steps
         if self.policy is not None:
             num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
@@ -226,7 +226,7 @@ class LLMEngine:
                 batch, num_draft_tokens, num_decoding, accepted, executed - proposed, start
             )
             budget = num_draft_tokens if num_decoding else None
-        timings = (proposed - start, checked - proposed, decided - checked)
+        timings = (proposed - start + settle_seconds, checked - proposed, decided - checked)
         self._emit_stats(batch, num_prompt_tokens, accepted, timings, budget)
         return outputs
 
@@ -319,8 +319,15 @@ class LLMEngine:
         return children
 
     def _commit(
-        self, batch: SchedulerOutput, verdicts: list[_Verdict], verified: ForwardOutput
-    ) -> list[RequestOutput]:
+        self,
+        batch: SchedulerOutput,
+        trees: dict[int, DraftTree],
+        verdicts: list[_Verdict],
+        verified: ForwardOutput,
+    ) -> tuple[list[RequestOutput], float]:
+        """Append each sequence's new tokens and end those that stopped; the drafter then settles
+        the live sequences that did not draft, before their outputs leave the engine. Returns the
+        deltas and the seconds the drafter took (the step's head work, like propose's)."""
         now = time.monotonic()
         touched: dict[str, list[Sequence]] = {}
         for verdict in verdicts:
@@ -338,11 +345,15 @@ class LLMEngine:
                     self.scheduler.finish(seq, status)
                     break
             touched.setdefault(seq.request.request_id, []).append(seq)
-        for seq in dict.fromkeys([*(i.seq for i in batch.scheduled), *(v.seq for v in verdicts)]):
-            if not seq.is_finished:
-                self.block_manager.trim(seq, seq.num_tokens)  # the draft scratch goes back
-                self.block_manager.cache_computed_blocks(seq)
-        return self._request_deltas(touched, now)
+        stepped = dict.fromkeys([*(i.seq for i in batch.scheduled), *(v.seq for v in verdicts)])
+        live = [seq for seq in stepped if not seq.is_finished]
+        settling = time.perf_counter()
+        self.drafter.settle([seq for seq in live if seq.seq_id not in trees])
+        settle_seconds = time.perf_counter() - settling
+        for seq in live:
+            self.block_manager.trim(seq, seq.num_tokens)  # the draft scratch goes back
+            self.block_manager.cache_computed_blocks(seq)
+        return self._request_deltas(touched, now), settle_seconds
 
     def _commit_accepted_drafts(self, verdict: _Verdict, verified: ForwardOutput) -> None:
         """Move the accepted nodes' K/V from their scratch slots into place after the root, and

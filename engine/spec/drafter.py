@@ -56,6 +56,12 @@ class Drafter(Protocol):
         """Target features [k, hidden] of the k positions that just became final for `seq`."""
         ...
 
+    def settle(self, seqs: list[Sequence]) -> None:
+        """End of a step, its tokens appended: `seqs` are the live sequences that did not draft.
+        What the drafter keeps for them is done here, while the step's outputs have not yet
+        left, so that a step that drafts nothing has no drafter work left for the next one."""
+        ...
+
 
 class AutoregressiveDrafter:
     """Proposes nothing, so every step yields one sampled token per sequence."""
@@ -76,6 +82,9 @@ class AutoregressiveDrafter:
         return sample_one_each(seqs, verified.logits, logits_rows)
 
     def commit(self, seq: Sequence, features: torch.Tensor) -> None:
+        pass
+
+    def settle(self, seqs: list[Sequence]) -> None:
         pass
 
 

@@ -4,6 +4,8 @@ budget is reported, the KV blocks all come back, and a useless head ends up deco
 
 from __future__ import annotations
 
+import torch
+
 from engine import LLM, SamplingParams
 from engine.execution.verify_cost import VerifyCost
 from engine.spec.draft_budget import DraftBudget
@@ -188,3 +190,39 @@ def test_plain_steps_are_scheduled_as_plain_decoding_schedules_them(bigram_targe
     assert any(n > 1 for step in layouts["plain"] for _, n, _ in step)  # prompts beside decodes
     assert layouts["speculative"] == layouts["plain"]
     assert all_blocks_free(speculative)
+
+
+def head_keys(llm: LLM, seq, num_positions: int):
+    """The head layer's K and V of `seq`'s first `num_positions` positions [P, KV, D] each."""
+    block_size = llm.engine.config.block_size
+    slots = [seq.block_table[p // block_size] * block_size + p % block_size
+             for p in range(num_positions)]  # fmt: skip
+    k, v = llm.engine.runner.kv_cache.layers[-1]  # [num_blocks, block_size, KV, D] each
+    return k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]
+
+
+def test_plain_steps_leave_the_head_the_keys_drafting_steps_do(bigram_target, trained_head):
+    """A request decoded plainly has, after every step, its head K/V stored up to its last full
+    block before the newest token (features wait at most a block), and those keys are the ones an
+    engine drafting every step stores for the same tokens."""
+    prompt = mixed_prompts(1, seed=13)[0]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engines = {}
+    for name, controller in (("plain", NeverDraft()), ("drafting", AlwaysDraft())):
+        llm = LLM(str(bigram_target), draft=str(trained_head), block_size=4, num_kv_blocks=1024)
+        llm.engine.policy.controller = controller
+        llm.engine.add_request("0", prompt, params)
+        seq = llm.engine.requests["0"].sequences[0]
+        while seq.num_output_tokens < 30:
+            llm.engine.step()
+            if name == "plain":
+                assert seq.num_head_computed_tokens == (seq.num_tokens - 2) // 4 * 4
+        engines[name] = (llm, seq)
+    (plain, plain_seq), (drafting, drafting_seq) = engines["plain"], engines["drafting"]
+    num_final = min(plain_seq.num_head_computed_tokens, drafting_seq.num_head_computed_tokens)
+    assert num_final >= len(prompt) + 20
+    assert plain_seq.token_ids[:num_final] == drafting_seq.token_ids[:num_final]
+    for a, b in zip(
+        head_keys(plain, plain_seq, num_final), head_keys(drafting, drafting_seq, num_final)
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
