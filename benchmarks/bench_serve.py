@@ -19,7 +19,8 @@ concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
 
 The Aerie servers run at once, idle but for the one being measured: each concurrency level runs
 against each configuration in turn, so a slow spell of this shared machine hits them alike. Each of
-`--rounds` rounds starts the servers afresh, the order rotating each round (the server that runs
+`--rounds` rounds starts the servers afresh (each then serves a short warm-up at the top level),
+the order rotating each round (the server that runs
 first in a round runs slowest, docs/benchmarks.md); a level's rounds are pooled, and its ratios
 to AR are taken per round (the median, and each round's, are reported); each level also records
 a server's engine seconds by step phase and, speculating, its decode steps and those that
@@ -116,8 +117,9 @@ def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
                 label: stack.enter_context(running_server(SERVERS[label], args.extra_server_args))
                 for label in order
             }
-            for label, url in urls.items():  # warm-up: the first requests of a process run slower
-                run_benchmark(replace(bench_config(args, (1,), url, label), num_prompts=2))
+            for label, url in urls.items():  # warm-up at the top level: a fresh server runs slower
+                warm_up = bench_config(args, (max(levels),), url, label)
+                run_benchmark(replace(warm_up, num_prompts=max(levels), max_tokens=16))
             for level, concurrency in enumerate(levels):
                 for label, url in urls.items():
                     before = server_counters(url)
