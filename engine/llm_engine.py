@@ -196,7 +196,9 @@ class LLMEngine:
         for index in range(len(request.sequences), request.params.n):  # choices never forked
             request.sequences.append(self._unforked_abort(request, index))
         self._finished_stats.append(_finished_stats(request))
-        self._emit_stats(SchedulerOutput(), 0, [], (0.0, 0.0, 0.0))  # gauges move without a step
+        self._emit_stats(
+            SchedulerOutput(), 0, [], (0.0, 0.0, 0.0, 0.0)
+        )  # gauges move without a step
         return self._delta(request, request.sequences)
 
     def has_unfinished_requests(self) -> bool:
@@ -204,6 +206,7 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        began = time.perf_counter()
         batch = self.last_schedule = self.scheduler.schedule(self._planned_drafts())
         if not batch.scheduled:
             return []
@@ -227,7 +230,8 @@ class LLMEngine:
             )
             budget = num_draft_tokens if num_decoding else None
         timings = (proposed - start + settle_seconds, checked - proposed, decided - checked)
-        self._emit_stats(batch, num_prompt_tokens, accepted, timings, budget)
+        other = time.perf_counter() - began - sum(timings)  # schedule, controller, commit
+        self._emit_stats(batch, num_prompt_tokens, accepted, (*timings, other), budget)
         return outputs
 
     def _planned_drafts(self) -> set[int] | None:
@@ -431,7 +435,7 @@ class LLMEngine:
         batch: SchedulerOutput,
         num_prompt_tokens: int,
         verdicts: list[_Verdict],
-        timings: tuple[float, float, float],
+        timings: tuple[float, float, float, float],  # propose, verify, accept, other
         draft_budget: int | None = None,
     ) -> None:
         finished, self._finished_stats = tuple(self._finished_stats), []
@@ -464,6 +468,7 @@ class LLMEngine:
             propose_time_s=timings[0],
             verify_time_s=timings[1],
             accept_time_s=timings[2],
+            other_time_s=timings[3],
             time_to_first_tokens_s=ttfts,
             inter_token_latencies_s=itls,
             finished=finished,

@@ -44,6 +44,7 @@ class StepStats:
     propose_time_s: float = 0.0
     verify_time_s: float = 0.0
     accept_time_s: float = 0.0
+    other_time_s: float = 0.0  # the rest of the step: scheduling, the draft controller, commit
     # One entry per request whose first token came in this step: arrival to this step's commit.
     time_to_first_tokens_s: tuple[float, ...] = ()
     # One entry per later token emitted in this step: the time since the request's previous

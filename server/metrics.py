@@ -45,7 +45,7 @@ REQUEST_LATENCY_BUCKETS = (
     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort")
-STEP_PHASES = ("propose", "verify", "accept")
+STEP_PHASES = ("propose", "verify", "accept", "other")
 
 
 def one_two_five_buckets(limit: int) -> tuple[float, ...]:
@@ -213,7 +213,8 @@ class Metrics:
         self.prompt_tokens.labels(name).inc(stats.num_prompt_tokens)
         self.generation_tokens.labels(name).inc(stats.num_generation_tokens)
         for phase, seconds in zip(
-            STEP_PHASES, (stats.propose_time_s, stats.verify_time_s, stats.accept_time_s)
+            STEP_PHASES,
+            (stats.propose_time_s, stats.verify_time_s, stats.accept_time_s, stats.other_time_s),
         ):
             self.step_phase.labels(name, phase).inc(seconds)
         ttft, itl = self.ttft.labels(name), self.itl.labels(name)

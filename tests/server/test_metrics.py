@@ -160,7 +160,7 @@ def test_labelled_series_exist_for_every_value(traffic) -> None:
         traffic("aerie_request_success_total", finished_reason=reason)
     for position in range(1, SPEC_DEPTH + 1):
         traffic("aerie_spec_decode_num_accepted_tokens_per_pos_total", position=str(position))
-    for phase in ("propose", "verify", "accept"):
+    for phase in ("propose", "verify", "accept", "other"):
         assert traffic("aerie_step_phase_seconds_total", phase=phase) > 0
     buckets = [
         float(dict(labels)["le"])
