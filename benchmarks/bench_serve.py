@@ -20,13 +20,13 @@ concurrency sweep with `aerie bench serve` (server/serving_benchmark.py):
 The Aerie servers run at once, idle but for the one being measured: each concurrency level runs
 against each configuration in turn, so a slow spell of this shared machine hits them alike. Each of
 `--rounds` rounds starts the servers afresh (each then serves a short warm-up at the top level),
-the order rotating each round (the server that runs
-first in a round runs slowest, docs/benchmarks.md); a level's rounds are pooled, and its ratios
-to AR are taken per round (the median, and each round's, are reported); each level also records
-a server's engine seconds by step phase and, speculating, its decode steps and those that
-verified drafts (its /metrics, under "counters"). transformers runs after them, in this
-process. Results merge into benchmarks/results/serve.json (with the ratios to AR per level) and
-serve.png. From the repository root:
+the order rotating each round (the server that runs first in a round runs slowest,
+docs/benchmarks.md); a level's rounds are pooled, and its ratios to AR are taken per round (the
+median, and each round's, are reported); each level also records a server's engine seconds by
+step phase and, speculating, its decode steps and those that verified drafts (its /metrics,
+under "counters"). transformers runs after them, in this process. Results merge into
+benchmarks/results/serve.json (with the ratios to AR per level) and serve.png. From the
+repository root:
 
     .venv/bin/python benchmarks/bench_serve.py                              # the full sweep
     .venv/bin/python benchmarks/bench_serve.py --concurrency 1,4 --max-tokens 16 \\

@@ -6,9 +6,9 @@ arrived since its last pass (the root and accepted tokens of their last step, or
 their last full block: `settle` stores the full blocks of the sequences that did not draft, at the
 end of each step). Row i reads token i + 1 and the target's feature at i; a drafting sequence's
 last row predicts the feature after the root, whose lm_head distribution gives the tree's first
-layer. Each further layer runs
-the head once on the `top_k` best nodes of the newest layer (each attending to the context and its
-own ancestors), then all candidates are reranked (drafting/tree.py).
+layer. Each further layer runs the head once on the `top_k` best nodes of the newest layer (each
+attending to the context and its own ancestors), then all candidates are reranked
+(drafting/tree.py).
 
 Head K/V of tree nodes goes to the sequence's scratch entries after its root: layer d's k rows
 sit at root + (d - 1) * k + r. It is draft-only: the next catch-up overwrites it with real rows.

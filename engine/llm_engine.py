@@ -196,9 +196,8 @@ class LLMEngine:
         for index in range(len(request.sequences), request.params.n):  # choices never forked
             request.sequences.append(self._unforked_abort(request, index))
         self._finished_stats.append(_finished_stats(request))
-        self._emit_stats(
-            SchedulerOutput(), 0, [], (0.0, 0.0, 0.0, 0.0)
-        )  # gauges move without a step
+        # the gauges move without a step
+        self._emit_stats(SchedulerOutput(), 0, [], (0.0, 0.0, 0.0, 0.0))
         return self._delta(request, request.sequences)
 
     def has_unfinished_requests(self) -> bool:
