@@ -163,12 +163,12 @@ class EagleDrafter:
             self._store_kv(rows)
 
     def _catch_up(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
-        """Run the head over each sequence's pending rows; return the last row's output [hidden]
-        per sequence whose rows reached its newest token (it can draft from there). No other
-        row's output is read, so those rows only store their K/V (`EagleHead.store_kv`), but for
-        a few before the newest (a drafting step's accepted tokens): they join the newest row's
-        pass, which costs what a pass of one row does, rather than read fc's and qkv's weights
-        for a second pass of their own."""
+        """Run the head over each decoding sequence's pending rows; return its newest row's output
+        [hidden] per sequence (its tree grows from there). No other row's output is read, so
+        those rows only store their K/V (`EagleHead.store_kv`), but for a few before the newest
+        (a drafting step's accepted tokens): they join the newest row's pass, which costs what a
+        pass of one row does, rather than read fc's and qkv's weights for a second pass of their
+        own."""
         stored, newest = _HeadRows(), _HeadRows()
         for seq in seqs:
             start = seq.num_head_computed_tokens
@@ -176,8 +176,8 @@ class EagleDrafter:
             if end <= start:
                 continue
             features = _take_pending(seq, end - start)  # [end - start, hidden]
-            last = end - 1 if end == seq.num_tokens - 1 else end  # the newest token's row, if here
-            if last < end and last - start <= _FOLDED_ROWS:
+            last = end - 1  # the newest token's row
+            if last - start <= _FOLDED_ROWS:
                 last = start  # all of them in the full pass
             stored.add(seq, start, last, features[: last - start])
             newest.add(seq, last, end, features[last - start :])

@@ -194,9 +194,7 @@ def test_plain_steps_are_scheduled_as_plain_decoding_schedules_them(bigram_targe
 
 def head_keys(llm: LLM, seq, num_positions: int):
     """The head layer's K and V of `seq`'s first `num_positions` positions [P, KV, D] each."""
-    block_size = llm.engine.config.block_size
-    slots = [seq.block_table[p // block_size] * block_size + p % block_size
-             for p in range(num_positions)]  # fmt: skip
+    slots = [llm.engine._slot(seq, position) for position in range(num_positions)]
     k, v = llm.engine.runner.kv_cache.layers[-1]  # [num_blocks, block_size, KV, D] each
     return k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]
 
