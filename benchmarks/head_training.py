@@ -1,5 +1,7 @@
 """The head campaign's learning curve, copied into benchmarks/results with its plot: acceptance
-length on the dev set, per category and tree shape, against training tokens seen.
+length on the dev set, per category and tree shape, against training tokens seen. Its last
+round's head is copied beside it (head_training_head/): `make head-campaign` on a new machine
+resumes from that copy (`--seed`) instead of training every round again.
 
     make head-campaign                                       # runs (or resumes) in the background
     .venv/bin/python benchmarks/head_training.py             # results/head_training.json + .png
@@ -10,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 from pathlib import Path
 
 from plotting import png_figure
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CAMPAIGN = Path.home() / ".cache" / "aerie" / "runs" / "campaign-sharegpt"
+LAST_HEAD = "head_training_head"  # beside the results file
 
 
 def main() -> None:
@@ -31,7 +35,10 @@ def main() -> None:
         "command": f"make head-campaign CAMPAIGN={args.campaign}",
         "shipped_head": shipped,
         "rounds": [{k: v for k, v in r.items() if k != "head"} for r in curve],
+        "last_head": LAST_HEAD,
     }
+    shutil.rmtree(args.out_dir / LAST_HEAD, ignore_errors=True)
+    shutil.copytree(curve[-1]["head"], args.out_dir / LAST_HEAD)
     (args.out_dir / "head_training.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(curve, shipped, args.out_dir / "head_training.png")
 

@@ -49,6 +49,7 @@ class CampaignConfig:
     max_tokens: int = 512  # per distilled answer
     sampled_share: float = 0.25
     eval_max_tokens: int = 128
+    seed: Path | None = None  # a committed copy of the campaign to resume from (docstring)
     train: dict = field(default_factory=dict)  # further TrainConfig fields
 
     def __post_init__(self) -> None:
@@ -62,6 +63,7 @@ def run_campaign(config: CampaignConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     curve_path = out / "head_training.json"
     curve = json.loads(curve_path.read_text()) if curve_path.exists() else []
+    curve = _adopt_seed(config, out, curve)
     dev_set = read_dev_set(config.dev_set)
     for index, conversations in enumerate(config.rounds):
         if index < len(curve):
@@ -81,12 +83,7 @@ def run_campaign(config: CampaignConfig) -> Path:
                 "round": index,
                 "conversations": conversations,
                 "arch": config.arch,
-                "recipe": {
-                    "epochs": train.epochs,
-                    "batch_tokens": train.batch_tokens,
-                    "prompt_loss": train.prompt_loss,
-                    "feature_weight": train.feature_weight,
-                },
+                "recipe": _recipe(train),
                 "training_tokens_seen": seen,
                 "acceptance_length": acceptance,
                 "head": str(head),
@@ -97,6 +94,43 @@ def run_campaign(config: CampaignConfig) -> Path:
         _keep_best(out, curve)
         _measure_shipped(config, out, dev_set)
     return curve_path
+
+
+def _recipe(train: TrainConfig) -> dict:
+    """What a round's record says of its training: a seed must match it to be adopted."""
+    return {
+        "epochs": train.epochs,
+        "batch_tokens": train.batch_tokens,
+        "prompt_loss": train.prompt_loss,
+        "feature_weight": train.feature_weight,
+    }
+
+
+def _adopt_seed(config: CampaignConfig, out: Path, curve: list[dict]) -> list[dict]:
+    """The seed's curve, its last round's head copied into OUT, when the seed is further along
+    than OUT and ran this campaign; else `curve` unchanged."""
+    if config.seed is None or not Path(config.seed).is_file():
+        return curve
+    seed = json.loads(Path(config.seed).read_text())
+    rounds, head = seed.get("rounds", []), seed.get("last_head")
+    if len(rounds) <= len(curve) or head is None:
+        return curve
+    last = len(rounds) - 1
+    folder = out / f"round-{config.rounds[last]}"
+    first = config.rounds[last - 1] if last else 0
+    expected = _recipe(_train_config(config, Path(config.data), folder, range(first, 0), None))
+    if [r["conversations"] for r in rounds] != list(config.rounds[: len(rounds)]) or any(
+        r["arch"] != config.arch or r["recipe"] != expected for r in rounds
+    ):
+        print(f"seed {config.seed} ran another campaign: not adopted", flush=True)
+        return curve
+    shutil.copytree(Path(config.seed).parent / head, folder / "head", dirs_exist_ok=True)
+    adopted = [{**r, "head": str(folder / "head") if r is rounds[-1] else None} for r in rounds]
+    (out / "head_training.json").write_text(json.dumps(adopted, indent=2) + "\n")
+    if seed.get("shipped_head") and not (out / "shipped_head.json").exists():
+        (out / "shipped_head.json").write_text(json.dumps(seed["shipped_head"], indent=2))
+    print(f"adopted {len(rounds)} rounds from {config.seed}", flush=True)
+    return adopted
 
 
 def _distilled(config: CampaignConfig, out: Path, conversations: int) -> Path:
@@ -182,6 +216,10 @@ def _measure_shipped(config: CampaignConfig, out: Path, dev_set: list[dict]) -> 
 
 
 def _keep_best(out: Path, curve: list[dict]) -> None:
-    """Copy the head of the round with the best dev-set acceptance (default tree) to best-head."""
-    best = max(curve, key=lambda r: r["acceptance_length"][shape_name(DEFAULT_TREE)]["all"])
+    """Copy the head of the round with the best dev-set acceptance (default tree) to best-head
+    (of the rounds whose head this machine has: an adopted seed brings only its last)."""
+    best = max(
+        (r for r in curve if r["head"]),
+        key=lambda r: r["acceptance_length"][shape_name(DEFAULT_TREE)]["all"],
+    )
     shutil.copytree(best["head"], out / "best-head", dirs_exist_ok=True)

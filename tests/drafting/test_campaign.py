@@ -4,6 +4,8 @@ dev-set measurement that a rerun resumes instead of redoing."""
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import replace
 
 import pytest
 from transformers import AutoTokenizer
@@ -112,6 +114,38 @@ def test_rounds_train_on_new_source_conversations_and_a_rerun_resumes(
     run_campaign(config)
     again = json.loads(curve_path.read_text())
     assert [r["conversations"] for r in again] == [4, 8]
+
+
+def write_seed(folder, curve, shipped):
+    """What benchmarks/head_training.py commits: the curve without head paths, the last round's
+    head beside it."""
+    folder.mkdir()
+    shutil.copytree(curve[-1]["head"], folder / "last-head")
+    rounds = [{k: v for k, v in r.items() if k != "head"} for r in curve]
+    seed = {"rounds": rounds, "last_head": "last-head", "shipped_head": shipped}
+    (folder / "head_training.json").write_text(json.dumps(seed))
+    return folder / "head_training.json"
+
+
+@pytest.mark.slow
+def test_a_new_machine_trains_on_from_the_committed_round(
+    bigram_target, random_head, source, tmp_path
+):
+    config = campaign_config(bigram_target, tmp_path, source, self_distil=False)
+    curve = json.loads(run_campaign(config).read_text())
+    shipped = json.loads((tmp_path / "run" / "shipped_head.json").read_text())
+    seed = write_seed(tmp_path / "committed", curve[:1], shipped)
+
+    other = replace(config, out=tmp_path / "other", seed=seed, train={**config.train, "epochs": 3})
+    assert campaign._adopt_seed(other, other.out, []) == []  # another recipe: not adopted
+
+    fresh = replace(config, out=tmp_path / "new-machine", seed=seed)
+    resumed = json.loads(run_campaign(fresh).read_text())
+    assert not (fresh.out / "round-4" / "train_log.jsonl").exists()  # round 1 not trained again
+    assert {**resumed[0], "head": None} == {**curve[0], "head": None}
+    assert resumed[1]["training_tokens_seen"] == curve[1]["training_tokens_seen"]
+    assert json.loads((fresh.out / "shipped_head.json").read_text()) == shipped
+    assert (fresh.out / "best-head" / "config.json").is_file()
 
 
 @pytest.mark.slow
