@@ -21,21 +21,23 @@ The Aerie servers run at once, idle but for the one being measured: each concurr
 against each configuration in turn, so a slow spell of this shared machine hits them alike. Each of
 `--rounds` rounds starts the servers afresh (each then serves a short warm-up at the top level),
 the order rotating each round (the server that runs first in a round runs slowest,
-docs/benchmarks.md); a level's rounds are pooled, and its ratios to AR are taken per round (the
-median, and each round's, are reported); each level also records a server's engine seconds by
-step phase and, speculating, its decode steps and those that verified drafts (its /metrics,
-under "counters"). transformers runs after them, in this process. Results merge into
-benchmarks/results/serve.json (with the ratios to AR per level) and serve.png. From the
-repository root:
+docs/benchmarks.md). Within a round a level runs as `--slices` slices, each its own requests,
+the servers' order reversed every slice (A B, B A, ...): a trial (one slice of one round) pairs
+servers that ran back to back, and a level's ratios to AR are taken per trial (their geometric
+mean and its 95% bootstrap interval are reported). A level's trials are also pooled; each
+records a server's engine seconds by step phase and, speculating, its decode steps and those that
+verified drafts (its /metrics, under "counters"). transformers runs after them, in this process.
+Results merge into benchmarks/results/serve.json (with the ratios to AR per level) and serve.png.
+From the repository root:
 
     .venv/bin/python benchmarks/bench_serve.py                              # the full sweep
     .venv/bin/python benchmarks/bench_serve.py --concurrency 1,4 --max-tokens 16 \\
         --out /tmp/serve.json                                               # a smoke test
     .venv/bin/python benchmarks/bench_serve.py \\
         --configs aerie-spec,aerie-spec-useless,aerie-ar,aerie-ar-twin --concurrency 1,4,16,32 \\
-        --rounds 3 --prompts-per-client 2 --range-ratio 0.5 \\
+        --rounds 2 --slices 4 --prompts-per-client 2 --range-ratio 0.5 \\
         --prompts benchmarks/data/dev_set.jsonl --category code \\
-        --out benchmarks/results/serve_controller_code_rounds.json  # the draft controller, on code
+        --out benchmarks/results/serve_controller_code_trials.json  # the draft controller, on code
 """
 
 from __future__ import annotations
@@ -102,13 +104,15 @@ def main() -> None:
 
 def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
     """Each of `--rounds` rounds starts every Aerie configuration afresh (idle servers sleep) and
-    runs each concurrency level against each in turn: a slow spell of this shared machine hits them
-    alike, and a process that happens to run slow (where its memory and threads landed) is one
-    round's, not the whole run's. The order rotates each round, so that every configuration runs
-    first (which runs slowest) equally often: once in every len(labels) rounds."""
+    runs each concurrency level against each in turn, `--slices` times, the order reversed every
+    slice: a slow spell of this shared machine hits them alike, and a process that happens to run
+    slow (where its memory and threads landed) is one round's, not the whole run's. The order
+    rotates each round, so that every configuration runs first (which runs slowest) equally
+    often: once in every len(labels) rounds."""
     if "aerie-spec-useless" in labels:
         useless_head(DEFAULT_MODEL, USELESS_HEAD)
-    rounds = {label: [[] for _ in levels] for label in labels}  # per label, per level: rounds
+    trials = {label: [[] for _ in levels] for label in labels}  # per label, per level: trials
+    headers = {}  # per label: its label, model and settings
     for round_index in range(args.rounds):
         shift = round_index % len(labels)
         order = labels[shift:] + labels[:shift]
@@ -121,14 +125,27 @@ def aerie_sweeps(args, levels, labels: list[str]) -> list[dict]:
                 warm_up = bench_config(args, (max(levels),), url, label)
                 run_benchmark(replace(warm_up, num_prompts=max(levels), max_tokens=16))
             for level, concurrency in enumerate(levels):
-                for label, url in urls.items():
-                    before = server_counters(url)
-                    result = run_benchmark(bench_config(args, (concurrency,), url, label))
-                    after = server_counters(url)
-                    counters = {k: v - before.get(k, 0.0) for k, v in after.items()}
-                    result["levels"][0]["counters"] = counters
-                    rounds[label][level].append(result)
-    return [_combined(per_level, levels) for per_level in rounds.values()]
+                for slice_index in range(args.slices):
+                    turns = list(urls.items())
+                    for label, url in turns if slice_index % 2 == 0 else reversed(turns):
+                        config = bench_config(args, (concurrency,), url, label)
+                        config = replace(config, first_request=slice_index * config.num_prompts)
+                        headers[label], trial = measured_level(config)
+                        trials[label][level].append(
+                            trial | {"round": round_index, "slice": slice_index}
+                        )
+    settings = {"concurrency": list(levels), "rounds": args.rounds, "slices": args.slices}
+    return [_combined(headers[label], trials[label], settings) for label in labels]
+
+
+def measured_level(config: BenchConfig) -> tuple[dict, dict]:
+    """A one-level run: its label, model and settings; its level's figures, with what the
+    server's /metrics counted while it ran."""
+    before = server_counters(config.base_url)
+    result = run_benchmark(config)
+    after = server_counters(config.base_url)
+    (level,) = result.pop("levels")
+    return result, level | {"counters": {k: v - before.get(k, 0.0) for k, v in after.items()}}
 
 
 def server_counters(base_url: str) -> dict[str, float]:
@@ -149,35 +166,34 @@ def server_counters(base_url: str) -> dict[str, float]:
     return counters
 
 
-def _combined(per_level: list[list[dict]], levels) -> dict:
-    """One result per label: each level's rounds pooled (tokens and seconds summed, mean latencies
-    weighted by requests), with the rounds' own figures kept under "rounds"."""
-    first = per_level[0][0]
-    first["settings"]["concurrency"] = list(levels)
+def _combined(header: dict, per_level: list[list[dict]], settings: dict) -> dict:
+    """One result per label: each level's trials pooled (tokens and seconds summed, mean
+    latencies weighted by requests), with the trials' own figures kept under "trials"."""
     return {
-        **first,
-        "levels": [_pooled([r["levels"][0] for r in results]) for results in per_level],
+        **header,
+        "settings": {**header["settings"], **settings, "first_request": None},
+        "levels": [_pooled(trials) for trials in per_level],
     }
 
 
-def _pooled(rounds: list[dict]) -> dict:
-    completed = sum(r["completed"] for r in rounds)
-    seconds = sum(r["duration_s"] for r in rounds)
-    tokens = sum(r["output_tokens"] for r in rounds)
+def _pooled(trials: list[dict]) -> dict:
+    completed = sum(t["completed"] for t in trials)
+    seconds = sum(t["duration_s"] for t in trials)
+    tokens = sum(t["output_tokens"] for t in trials)
     pooled = {
-        "concurrency": rounds[0]["concurrency"],
+        "concurrency": trials[0]["concurrency"],
         "completed": completed,
-        "failed": sum(r["failed"] for r in rounds),
+        "failed": sum(t["failed"] for t in trials),
         "duration_s": seconds,
         "output_tokens": tokens,
         "request_throughput": completed / seconds,
         "output_throughput": tokens / seconds,
-        "counters": {k: sum(r["counters"][k] for r in rounds) for k in rounds[0]["counters"]},
-        "rounds": rounds,
+        "counters": {k: sum(t["counters"][k] for t in trials) for k in trials[0]["counters"]},
+        "trials": trials,
     }
     for name in ("mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2e_ms"):
-        values = [(r[name], r["completed"]) for r in rounds if r.get(name) is not None]
-        if values:  # p99 ITL: the rounds' p99s weighted alike, a summary for the plot
+        values = [(t[name], t["completed"]) for t in trials if t.get(name) is not None]
+        if values:  # p99 ITL: the trials' p99s weighted alike, a summary for the plot
             pooled[name] = sum(v * n for v, n in values) / sum(n for _, n in values)
     return pooled
 
@@ -201,8 +217,12 @@ def parse_args() -> argparse.Namespace:
         default=0.0,
         help="Aerie servers: request i asks for max_tokens x (1 +- r), seeded by i",
     )
+    parser.add_argument("--rounds", type=int, default=1, help="fresh servers for each round")
     parser.add_argument(
-        "--rounds", type=int, default=1, help="runs of each level against each server, pooled"
+        "--slices",
+        type=int,
+        default=1,
+        help="runs of each level against each server per round, each its own requests",
     )
     everything = [label for label in SERVERS if label != "aerie-ar-twin"] + ["transformers"]
     parser.add_argument("--configs", default=",".join(everything))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import statistics
 import time
@@ -40,6 +41,7 @@ class BenchConfig:
     max_tokens: int = 128
     num_prompts: int = 0  # per level; 0: max(8, 4 * concurrency)
     max_duration: float = 120.0  # seconds per level after which no new request starts
+    first_request: int = 0  # request i is the level's i-th from here (a slice's own requests)
     temperature: float = 0.0
     ignore_eos: bool = False
     # Request i asks for max_tokens drawn from [max_tokens (1 - r), max_tokens (1 + r)], the same
@@ -127,7 +129,7 @@ async def _first_model(client) -> str:
 
 async def _run_level(client, model: str, prompts, concurrency: int, config: BenchConfig) -> dict:
     total = config.num_prompts or max(8, 4 * concurrency)
-    queue = iter(range(total))
+    queue = iter(range(config.first_request, config.first_request + total))
     records: list[RequestRecord] = []
     bar = tqdm(total=total, desc=f"{config.label} @ concurrency {concurrency}", unit="req")
     started = time.perf_counter()
@@ -272,10 +274,10 @@ def merge_results(path: Path, result: dict) -> None:
 
 
 def ratios_to_reference(runs: dict, reference: str) -> dict:
-    """Each other run's output tokens/s and median TPOT over `reference`'s, per concurrency: the
-    ratio of every round (in a round, the servers ran that level one after another, so a slow
-    spell of the machine hits both) and the median of those ratios. Their spread, and a second
-    process of the reference's configuration, show how far the run can tell servers apart."""
+    """Each other run's output tokens/s and median TPOT over `reference`'s, per concurrency, trial
+    by trial (a trial: one slice of one round, which the two servers ran back to back, so a slow
+    spell of the machine hits both): every trial's ratio, their geometric mean, and its 95%
+    interval. A second process of the reference's configuration shows the run's own noise."""
     if reference not in runs:
         return {}
     theirs = {level["concurrency"]: level for level in runs[reference]["levels"]}
@@ -292,15 +294,28 @@ def ratios_to_reference(runs: dict, reference: str) -> dict:
 
 
 def _paired(level: dict, reference: dict) -> dict:
-    """{"throughput": median, "throughput_rounds": [...], and the same for "tpot" (median TPOT)
-    where every round has it}."""
-    pairs = list(zip(level.get("rounds", [level]), reference.get("rounds", [reference])))
+    """{"throughput": geometric mean, "throughput_ci95": [low, high], "throughput_trials": [...],
+    and the same for "tpot" (median TPOT) where every trial has it}."""
+    pairs = list(zip(level.get("trials", [level]), reference.get("trials", [reference])))
     summary = {}
     for name, key in (("throughput", "output_throughput"), ("tpot", "p50_tpot_ms")):
         if all(ours.get(key) and theirs.get(key) for ours, theirs in pairs):
             values = [ours[key] / theirs[key] for ours, theirs in pairs]
-            summary |= {name: statistics.median(values), f"{name}_rounds": values}
+            summary |= {
+                name: statistics.geometric_mean(values),
+                f"{name}_ci95": bootstrap_interval(values),
+                f"{name}_trials": values,
+            }
     return summary
+
+
+def bootstrap_interval(ratios: list[float], resamples: int = 10_000) -> list[float]:
+    """The 95% percentile-bootstrap interval of the ratios' geometric mean (seeded: a results
+    file is reproducible from its trials)."""
+    rng = random.Random(0)
+    logs = [math.log(r) for r in ratios]
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    return [math.exp(means[int(0.025 * resamples)]), math.exp(means[int(0.975 * resamples) - 1])]
 
 
 def plot_results(data: dict, path: Path) -> None:

@@ -14,9 +14,11 @@ from engine.errors import AerieError
 from server.serving_benchmark import (
     BenchConfig,
     RequestRecord,
+    bootstrap_interval,
     load_prompts,
     output_length,
     ratios_to_reference,
+    run_benchmark,
     summarize,
 )
 from tests.server.conftest import API_KEY
@@ -41,24 +43,35 @@ def test_summary_follows_the_vllm_definitions():
     assert summary["errors"] == ["HTTP 503"]
 
 
-def test_ratios_pair_each_round_with_the_reference_s_same_round():
-    def level(*rounds):  # (tokens/s, median TPOT ms) per round
-        runs = [{"output_throughput": t, "p50_tpot_ms": m} for t, m in rounds]
-        return {"concurrency": 4, "rounds": runs}
+def test_ratios_pair_each_trial_with_the_reference_s_same_trial():
+    def level(*trials):  # (tokens/s, median TPOT ms) per trial
+        runs = [{"output_throughput": t, "p50_tpot_ms": m} for t, m in trials]
+        return {"concurrency": 4, "trials": runs}
 
     runs = {
-        # the machine ran twice as fast in round 2: its ratio is round 1's, 0.9, where pooling
-        # tokens and seconds over rounds would weigh round 2 double
+        # the machine ran twice as fast in trial 2: its ratio is trial 1's, 0.9, where pooling
+        # tokens and seconds over trials would weigh trial 2 double
         "aerie-ar": {"levels": [level((100, 10), (200, 5), (100, 10))]},
         "aerie-spec": {"levels": [level((90, 11), (180, 5.5), (120, 8))]},
         "other-level-only": {"levels": [{**level((50, 1)), "concurrency": 8}]},
     }
     ratios = ratios_to_reference(runs, "aerie-ar")
-    assert ratios["aerie-spec"]["4"]["throughput_rounds"] == pytest.approx([0.9, 0.9, 1.2])
-    assert ratios["aerie-spec"]["4"]["throughput"] == pytest.approx(0.9)  # the median round
-    assert ratios["aerie-spec"]["4"]["tpot"] == pytest.approx(1.1)
+    spec = ratios["aerie-spec"]["4"]
+    assert spec["throughput_trials"] == pytest.approx([0.9, 0.9, 1.2])
+    assert spec["throughput"] == pytest.approx((0.9 * 0.9 * 1.2) ** (1 / 3))
+    assert spec["tpot"] == pytest.approx((1.1 * 1.1 * 0.8) ** (1 / 3))
+    low, high = spec["throughput_ci95"]
+    assert 0.9 <= low < spec["throughput"] < high <= 1.2
     assert ratios["other-level-only"] == {}
     assert ratios_to_reference(runs, reference="absent") == {}
+
+
+def test_the_interval_narrows_as_trials_agree():
+    spread = bootstrap_interval([0.9, 1.1] * 4)
+    close = bootstrap_interval([0.99, 1.01] * 4)
+    assert spread[0] < close[0] < 1.0 < close[1] < spread[1]
+    assert bootstrap_interval([1.03] * 5) == pytest.approx([1.03, 1.03])
+    assert bootstrap_interval([0.98, 1.02] * 4) == bootstrap_interval([0.98, 1.02] * 4)
 
 
 def test_prompt_files_in_three_shapes(tmp_path):
@@ -134,6 +147,24 @@ def test_a_sweep_against_a_live_server(tiny_server, tmp_path):
         assert level["p50_itl_ms"] <= level["p99_itl_ms"]
         assert level["output_throughput"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_slice_sends_its_own_requests(tiny_server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Count to ten"}) + "\n")
+    config = BenchConfig(
+        tiny_server.base_url,
+        prompts,
+        concurrency=(2,),
+        max_tokens=12,
+        num_prompts=4,
+        ignore_eos=True,
+        range_ratio=0.5,
+        first_request=8,
+        api_key=API_KEY,
+    )
+    (level,) = run_benchmark(config)["levels"]
+    assert level["output_tokens"] == sum(output_length(12, 0.5, i) for i in range(8, 12))
 
 
 def test_output_lengths_spread_alike_for_every_server():
