@@ -4,7 +4,11 @@ The arms are "draft" and "plain"; a step's payoff is what the engine measures of
 tokens per sequence over its seconds (drafting, the larger pass, the acceptance walk, the head's
 catch-up, all of it). Each bucket (1, 2-3, 4-7, ... decoding sequences) keeps, per arm, sums of
 tokens and seconds discounted by half every `half_life` of its steps: an arm's rate is its
-recent throughput, with the ratio estimator's standard error. The choice is discounted Thompson
+recent throughput, with the ratio estimator's standard error. A step's seconds are first scaled
+to the bucket's smallest batch size by a fit of its plain steps' seconds on batch size: where a
+step's time grows with the batch (16 sequences take half as long as 31 on a CPU), steps of
+different sizes would otherwise measure different things, and an arm played more while the
+traffic ramps would look better or worse for it. The choice is discounted Thompson
 sampling: draw each arm's rate from a normal that wide around its estimate, play the higher.
 Each arm is played twice first, and again whenever its discounted steps fall under one half.
 Steps that also compute prompt tokens are not measured (their time is mostly the prompt's) and
@@ -90,9 +94,54 @@ class _Arm:
 
 
 @dataclass
+class _PlainTimes:
+    """Discounted least squares of a bucket's plain steps' seconds on their batch size."""
+
+    weight: float = 0.0  # sum w
+    size: float = 0.0  # sum w b
+    size2: float = 0.0  # sum w b^2
+    seconds: float = 0.0  # sum w s
+    cross: float = 0.0  # sum w b s
+
+    def decay(self, factor: float) -> None:
+        self.weight *= factor
+        self.size *= factor
+        self.size2 *= factor
+        self.seconds *= factor
+        self.cross *= factor
+
+    def add(self, size: int, seconds: float) -> None:
+        self.weight += 1.0
+        self.size += size
+        self.size2 += size * size
+        self.seconds += seconds
+        self.cross += size * seconds
+
+    def scale(self, size: int, reference: int) -> float:
+        """T(reference) / T(size) by the fit: what a step of `size` sequences' seconds are worth
+        at `reference` (<= size). Kept within [reference / size, 1] (a step takes no less time
+        with more sequences, nor more than in proportion); 1 until the fit has sizes to go by."""
+        if self.weight < _MIN_PLAYS:
+            return 1.0
+        mean_size = self.size / self.weight
+        spread = self.size2 / self.weight - mean_size * mean_size
+        if spread < 0.25:  # sizes (nearly) all alike: no slope to read
+            return 1.0
+        mean_seconds = self.seconds / self.weight
+        slope = (self.cross / self.weight - mean_size * mean_seconds) / spread
+        at_size = mean_seconds + slope * (size - mean_size)
+        at_reference = mean_seconds + slope * (reference - mean_size)
+        if at_size <= 0.0:
+            return 1.0
+        return min(1.0, max(reference / size, at_reference / at_size))
+
+
+@dataclass
 class _Bucket:
+    reference: int  # its smallest batch size: seconds are scaled to it
     draft: _Arm
     plain: _Arm
+    plain_times: _PlainTimes
 
 
 class DraftController:
@@ -128,9 +177,12 @@ class DraftController:
         if num_decoding <= 0 or seconds <= 0:
             return
         bucket = self._bucket(num_decoding)
-        bucket.draft.decay(self.decay)
-        bucket.plain.decay(self.decay)
-        (bucket.draft if drafted else bucket.plain).add(num_tokens / num_decoding, seconds)
+        for stats in (bucket.draft, bucket.plain, bucket.plain_times):
+            stats.decay(self.decay)
+        if not drafted:
+            bucket.plain_times.add(num_decoding, seconds)
+        scaled = seconds * bucket.plain_times.scale(num_decoding, bucket.reference)
+        (bucket.draft if drafted else bucket.plain).add(num_tokens / num_decoding, scaled)
 
     def break_even_drafts(self, num_decoding: int) -> float | None:
         """Accepted drafts per tree at which one sequence's drafting pays at this batch size, or
@@ -147,7 +199,8 @@ class DraftController:
         return max(0.0, extra_time) * draft.tokens / draft.weight
 
     def rates(self, num_decoding: int) -> tuple[float | None, float | None]:
-        """(drafting, plain) tokens per sequence per second at this batch size, None if unknown."""
+        """(drafting, plain) tokens per sequence per second, at the smallest batch size of this
+        one's bucket; None if unknown."""
         bucket = self._bucket(num_decoding)
         return tuple(arm.rate if arm.known else None for arm in (bucket.draft, bucket.plain))
 
@@ -157,5 +210,5 @@ class DraftController:
     def _bucket(self, num_decoding: int) -> _Bucket:
         key = num_decoding.bit_length()  # 1, 2-3, 4-7, 8-15, ...
         if key not in self.buckets:
-            self.buckets[key] = _Bucket(_Arm(), _Arm())
+            self.buckets[key] = _Bucket(1 << (key - 1), _Arm(), _Arm(), _PlainTimes())
         return self.buckets[key]

@@ -107,6 +107,28 @@ def test_each_batch_size_bucket_learns_on_its_own():
     assert controller.rates(9) == pytest.approx((1 / 1.5, 1.0))  # 8-15 share a bucket
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_steps_of_different_sizes_in_one_bucket_measure_alike(seed):
+    """Batches of 16 sequences, then a ramp from 31 down to 16, in turn (a served level, then
+    the end of a larger one), all in the 16-31 bucket; a step's time grows with the batch (5 ms
+    + 4.6 ms a sequence), and drafting takes 1.5 times as long for 1.32 tokens a sequence: 12%
+    slower at every size. Unscaled, a plain step of 31 looks half as fast as one of 16, and the
+    arm that happened to play more in the ramp looks worse: drafting ran on 13-21% of steps."""
+    rng = random.Random(seed)
+    controller = DraftController(half_life=HALF_LIFE, seed=seed)
+    drafted = 0
+    for step in range(4000):
+        size = 16 if (step // 300) % 2 == 0 else 31 - (step % 300) // 20
+        drafts = controller.choose(size)
+        plain_seconds = (0.005 + 0.0046 * size) * (1 + 0.05 * rng.gauss(0, 1))
+        tokens = sum(1 + (rng.random() < 0.2) + (rng.random() < 0.12) for _ in range(size))
+        controller.observe(
+            size, drafts, tokens if drafts else size, plain_seconds * (1.5 if drafts else 1.0)
+        )
+        drafted += drafts
+    assert drafted / 4000 < 0.06
+
+
 def test_an_unplayed_arm_is_tried_again():
     """After a long stretch of plain steps the drafting arm's estimate has aged: it is played
     again, however bad it looked."""
