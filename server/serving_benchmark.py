@@ -277,7 +277,8 @@ def ratios_to_reference(runs: dict, reference: str) -> dict:
     """Each other run's output tokens/s and median TPOT over `reference`'s, per concurrency, trial
     by trial (a trial: one slice of one round, which the two servers ran back to back, so a slow
     spell of the machine hits both): every trial's ratio, their geometric mean, and its 95%
-    interval. A second process of the reference's configuration shows the run's own noise."""
+    interval over rounds and trials. A second process of the reference's configuration shows
+    the run's own noise."""
     if reference not in runs:
         return {}
     theirs = {level["concurrency"]: level for level in runs[reference]["levels"]}
@@ -297,24 +298,36 @@ def _paired(level: dict, reference: dict) -> dict:
     """{"throughput": geometric mean, "throughput_ci95": [low, high], "throughput_trials": [...],
     and the same for "tpot" (median TPOT) where every trial has it}."""
     pairs = list(zip(level.get("trials", [level]), reference.get("trials", [reference])))
+    rounds = [ours.get("round", 0) for ours, _ in pairs]
     summary = {}
     for name, key in (("throughput", "output_throughput"), ("tpot", "p50_tpot_ms")):
         if all(ours.get(key) and theirs.get(key) for ours, theirs in pairs):
             values = [ours[key] / theirs[key] for ours, theirs in pairs]
             summary |= {
                 name: statistics.geometric_mean(values),
-                f"{name}_ci95": bootstrap_interval(values),
+                f"{name}_ci95": bootstrap_interval(values, rounds),
                 f"{name}_trials": values,
             }
     return summary
 
 
-def bootstrap_interval(ratios: list[float], resamples: int = 10_000) -> list[float]:
-    """The 95% percentile-bootstrap interval of the ratios' geometric mean (seeded: a results
-    file is reproducible from its trials)."""
+def bootstrap_interval(
+    ratios: list[float], rounds: list[int] | None = None, resamples: int = 10_000
+) -> list[float]:
+    """The 95% percentile-bootstrap interval of the ratios' geometric mean, resampling rounds
+    and then each drawn round's trials: a round's servers keep their own speed for their life,
+    so its trials are not independent and the interval must widen with the rounds' spread. Seeded:
+    a results file's interval is reproducible from its trials."""
     rng = random.Random(0)
-    logs = [math.log(r) for r in ratios]
-    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    by_round: dict[int, list[float]] = {}
+    for ratio, round_index in zip(ratios, rounds or [0] * len(ratios)):
+        by_round.setdefault(round_index, []).append(math.log(ratio))
+    groups = list(by_round.values())
+    means = []
+    for _ in range(resamples):
+        drawn = rng.choices(groups, k=len(groups))
+        means.append(statistics.fmean(x for g in drawn for x in rng.choices(g, k=len(g))))
+    means.sort()
     return [math.exp(means[int(0.025 * resamples)]), math.exp(means[int(0.975 * resamples) - 1])]
 
 

@@ -74,6 +74,18 @@ def test_the_interval_narrows_as_trials_agree():
     assert bootstrap_interval([0.98, 1.02] * 4) == bootstrap_interval([0.98, 1.02] * 4)
 
 
+def test_the_interval_widens_with_the_rounds_spread():
+    """Two rounds whose processes ran at their own speeds (trials 1.04 and 1.00, say): eight
+    trials taken as independent give a narrow interval about 1.02; resampled by round, it
+    reaches each round's own figure."""
+    ratios = [1.04, 1.05, 1.03, 1.04, 1.00, 0.99, 1.01, 1.00]
+    rounds = [0, 0, 0, 0, 1, 1, 1, 1]
+    independent = bootstrap_interval(ratios)
+    by_round = bootstrap_interval(ratios, rounds)
+    assert independent[0] > 1.0
+    assert by_round[0] < 1.005 and by_round[1] > 1.035
+
+
 def test_prompt_files_in_three_shapes(tmp_path):
     path = tmp_path / "prompts.jsonl"
     lines = [
