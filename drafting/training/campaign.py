@@ -117,8 +117,8 @@ def _adopt_seed(config: CampaignConfig, out: Path, curve: list[dict]) -> list[di
         return curve
     last = len(rounds) - 1
     folder = out / f"round-{config.rounds[last]}"
-    first = config.rounds[last - 1] if last else 0
-    expected = _recipe(_train_config(config, Path(config.data), folder, range(first, 0), None))
+    read = range(config.rounds[last - 1] if last else 0, config.rounds[last])
+    expected = _recipe(_train_config(config, Path(config.data), folder, read, None))
     if [r["conversations"] for r in rounds] != list(config.rounds[: len(rounds)]) or any(
         r["arch"] != config.arch or r["recipe"] != expected for r in rounds
     ):
