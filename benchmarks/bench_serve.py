@@ -150,7 +150,8 @@ def measured_level(config: BenchConfig) -> tuple[dict, dict]:
 
 def server_counters(base_url: str) -> dict[str, float]:
     """What a server's /metrics count so far: engine seconds by step phase (propose, verify,
-    accept) and, for a speculative server, its decode steps and those that verified drafts."""
+    accept, other) and, for a speculative server, its decode steps and those that verified
+    drafts, in all and per batch-size bucket of the draft controller."""
     counters, plain = {}, 0.0
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
@@ -161,6 +162,10 @@ def server_counters(base_url: str) -> dict[str, float]:
                 counters["decode_steps"] = sample.value
             elif sample.name == "aerie_spec_decode_plain_steps_total":
                 plain = sample.value
+            elif sample.name == "aerie_spec_decode_steps_by_batch_total":
+                counters[f"decode_steps_batch_{sample.labels['batch']}"] = sample.value
+            elif sample.name == "aerie_spec_decode_drafting_steps_by_batch_total":
+                counters[f"verifying_steps_batch_{sample.labels['batch']}"] = sample.value
     if "decode_steps" in counters:
         counters["verifying_steps"] = counters["decode_steps"] - plain
     return counters
@@ -180,6 +185,7 @@ def _pooled(trials: list[dict]) -> dict:
     completed = sum(t["completed"] for t in trials)
     seconds = sum(t["duration_s"] for t in trials)
     tokens = sum(t["output_tokens"] for t in trials)
+    counters = sorted({k for t in trials for k in t["counters"]})  # a bucket may appear late
     pooled = {
         "concurrency": trials[0]["concurrency"],
         "completed": completed,
@@ -188,7 +194,7 @@ def _pooled(trials: list[dict]) -> dict:
         "output_tokens": tokens,
         "request_throughput": completed / seconds,
         "output_throughput": tokens / seconds,
-        "counters": {k: sum(t["counters"][k] for t in trials) for k in trials[0]["counters"]},
+        "counters": {k: sum(t["counters"].get(k, 0.0) for t in trials) for k in counters},
         "trials": trials,
     }
     for name in ("mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2e_ms"):

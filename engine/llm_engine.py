@@ -220,7 +220,7 @@ class LLMEngine:
         accepted = self._accept(batch, trees, verified)  # accept
         decided = time.perf_counter()
         outputs, settle_seconds = self._commit(batch, trees, accepted, verified)  # commit
-        budget = None  # draft tokens verified, on a speculative engine's decoding steps
+        budget, num_decoding = None, 0  # a speculative engine's decoding steps: draft tokens
         if self.policy is not None:
             num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
             num_decoding = sum(1 for item in batch.scheduled if item.decoding)
@@ -230,7 +230,9 @@ class LLMEngine:
             budget = num_draft_tokens if num_decoding else None
         timings = (proposed - start + settle_seconds, checked - proposed, decided - checked)
         other = time.perf_counter() - began - sum(timings)  # schedule, controller, commit
-        self._emit_stats(batch, num_prompt_tokens, accepted, (*timings, other), budget)
+        self._emit_stats(
+            batch, num_prompt_tokens, accepted, (*timings, other), budget, num_decoding
+        )
         return outputs
 
     def _planned_drafts(self) -> set[int] | None:
@@ -436,6 +438,7 @@ class LLMEngine:
         verdicts: list[_Verdict],
         timings: tuple[float, float, float, float],  # propose, verify, accept, other
         draft_budget: int | None = None,
+        num_decoding: int = 0,
     ) -> None:
         finished, self._finished_stats = tuple(self._finished_stats), []
         ttfts, itls, self._ttfts, self._itls = tuple(self._ttfts), tuple(self._itls), [], []
@@ -464,6 +467,7 @@ class LLMEngine:
             accepted_per_position=tuple(accepted_per_position),
             tokens_per_pass=tuple(v.num_emitted for v in drafted),
             draft_budget=draft_budget,
+            num_decoding=num_decoding,
             propose_time_s=timings[0],
             verify_time_s=timings[1],
             accept_time_s=timings[2],

@@ -41,6 +41,7 @@ class StepStats:
     # Draft tokens the draft policy chose to verify across the batch (0: the step decoded
     # plainly); None without the adaptive policy or when no sequence could draft.
     draft_budget: int | None = None
+    num_decoding: int = 0  # decoding sequences of the step (prefill chunks aside), where counted
     propose_time_s: float = 0.0
     verify_time_s: float = 0.0
     accept_time_s: float = 0.0

@@ -23,6 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from engine.spec.draft_controller import batch_bucket
 from engine.stats import StepStats
 
 if TYPE_CHECKING:
@@ -284,6 +285,18 @@ class _SpecDecodeMetrics:
             labels,
             registry=r,
         )
+        self.steps_by_batch = Counter(
+            "aerie_spec_decode_steps_by_batch",
+            "Decode steps by batch size (the draft controller's buckets: 1, 2-3, 4-7, ...)",
+            [*labels, "batch"],
+            registry=r,
+        )
+        self.drafting_steps_by_batch = Counter(
+            "aerie_spec_decode_drafting_steps_by_batch",
+            "Decode steps that verified drafts, by batch size (the draft controller's buckets)",
+            [*labels, "batch"],
+            registry=r,
+        )
         for metric in (
             self.drafts,
             self.draft_tokens,
@@ -295,6 +308,8 @@ class _SpecDecodeMetrics:
             metric.labels(model_name)
         for position in range(1, depth + 1):
             self.accepted_per_pos.labels(model_name, str(position))
+        for by_batch in (self.steps_by_batch, self.drafting_steps_by_batch):
+            by_batch.labels(model_name, _bucket_label(1))  # the others appear as they occur
 
     def observe(self, stats: StepStats) -> None:
         name = self.model_name
@@ -309,3 +324,12 @@ class _SpecDecodeMetrics:
         if stats.draft_budget is not None:
             self.draft_budget.labels(name).observe(stats.draft_budget)
             self.plain_steps.labels(name).inc(stats.draft_budget == 0)
+            batch = _bucket_label(stats.num_decoding)
+            self.steps_by_batch.labels(name, batch).inc()
+            self.drafting_steps_by_batch.labels(name, batch).inc(stats.draft_budget > 0)
+
+
+def _bucket_label(num_decoding: int) -> str:
+    """The draft controller's batch-size bucket of a step: "1", "2-3", "4-7", ..."""
+    low, high = batch_bucket(num_decoding)
+    return str(low) if low == high else f"{low}-{high}"

@@ -37,6 +37,12 @@ _MIN_WEIGHT = 0.5  # an arm whose discounted steps fall under this is played aga
 _CLEAR = 2.0  # standard errors of lead that make a verdict clear
 
 
+def batch_bucket(num_decoding: int) -> tuple[int, int]:
+    """The smallest and largest batch size of `num_decoding`'s bucket: 1, 2-3, 4-7, 8-15, ..."""
+    low = 1 << (max(num_decoding, 1).bit_length() - 1)
+    return low, 2 * low - 1
+
+
 @dataclass
 class _Arm:
     """Discounted sums over an arm's steps: w = decay ** age, per step k tokens in s seconds."""
@@ -208,7 +214,7 @@ class DraftController:
         return self.random.gauss(arm.rate, arm.standard_error)
 
     def _bucket(self, num_decoding: int) -> _Bucket:
-        key = num_decoding.bit_length()  # 1, 2-3, 4-7, 8-15, ...
-        if key not in self.buckets:
-            self.buckets[key] = _Bucket(1 << (key - 1), _Arm(), _Arm(), _PlainTimes())
-        return self.buckets[key]
+        low, _ = batch_bucket(num_decoding)
+        if low not in self.buckets:
+            self.buckets[low] = _Bucket(low, _Arm(), _Arm(), _PlainTimes())
+        return self.buckets[low]

@@ -52,6 +52,8 @@ CATALOGUE = {
     "aerie_spec_decode_tokens_per_pass": "histogram",
     "aerie_spec_decode_draft_budget_tokens": "histogram",
     "aerie_spec_decode_plain_steps_total": "counter",
+    "aerie_spec_decode_steps_by_batch_total": "counter",
+    "aerie_spec_decode_drafting_steps_by_batch_total": "counter",
 }
 SPEC_FAMILIES = {name for name in CATALOGUE if name.startswith("aerie_spec_decode_")}
 
@@ -251,8 +253,9 @@ def test_the_adaptive_budget_accounts_for_every_decode_step(spec_model, server_l
     finally:
         server.stop()
 
-    def change(name: str) -> float:
-        return after(name) - before(name)
+    def change(name: str, **labels: str) -> float:  # a labelled sample first counted now is new
+        key = (name, frozenset(labels.items()))
+        return after.values.get(key, 0.0) - before.values.get(key, 0.0)
 
     steps = change("aerie_spec_decode_draft_budget_tokens_count")
     drafted = change("aerie_spec_decode_num_drafts_total")
@@ -263,6 +266,8 @@ def test_the_adaptive_budget_accounts_for_every_decode_step(spec_model, server_l
     )
     emitted = change("aerie_spec_decode_tokens_per_pass_sum")
     assert emitted + plain == 23, "each of the 23 tokens after the first came from a decode step"
+    assert change("aerie_spec_decode_steps_by_batch_total", batch="1") == steps  # alone
+    assert change("aerie_spec_decode_drafting_steps_by_batch_total", batch="1") == drafted
 
 
 def test_a_repeated_prompt_hits_the_prefix_cache(spec_server) -> None:
