@@ -6,9 +6,9 @@ catch-up, all of it). Each bucket (1, 2-3, 4-7, ... decoding sequences) keeps, p
 tokens and seconds discounted by half every `half_life` of its steps: an arm's rate is its
 recent throughput, with the ratio estimator's standard error. A step's seconds are first scaled
 to the bucket's smallest batch size by a fit of its plain steps' seconds on batch size: where a
-step's time grows with the batch (16 sequences take half as long as 31 on a CPU), steps of
-different sizes would otherwise measure different things, and an arm played more while the
-traffic ramps would look better or worse for it. The choice is discounted Thompson
+step's time grows with the batch, steps of different sizes would otherwise measure different
+things, and an arm played more while the load ramps would look better or worse for it. The
+choice is discounted Thompson
 sampling: draw each arm's rate from a normal that wide around its estimate, play the higher.
 Each arm is played twice first, and again whenever its discounted steps fall under one half.
 Steps that also compute prompt tokens are not measured (their time is mostly the prompt's) and

@@ -112,8 +112,8 @@ def test_steps_of_different_sizes_in_one_bucket_measure_alike(seed):
     """Batches of 16 sequences, then a ramp from 31 down to 16, in turn (a served level, then
     the end of a larger one), all in the 16-31 bucket; a step's time grows with the batch (5 ms
     + 4.6 ms a sequence), and drafting takes 1.5 times as long for 1.32 tokens a sequence: 12%
-    slower at every size. Unscaled, a plain step of 31 looks half as fast as one of 16, and the
-    arm that happened to play more in the ramp looks worse: drafting ran on 13-21% of steps."""
+    slower at every size. Scaled to the bucket's smallest size, steps of every size measure
+    alike, so drafting is played as rarely as at a steady 16."""
     rng = random.Random(seed)
     controller = DraftController(half_life=HALF_LIFE, seed=seed)
     drafted = 0
