@@ -62,6 +62,20 @@ class _Verdict:
     num_emitted: int = 0  # accepted tokens actually appended (a stop cuts the rest)
 
 
+@dataclass(frozen=True)
+class _StepMeasures:
+    """What a step measured of itself, beside its batch and verdicts, for the stats listeners
+    (an abort's gauge-only emission has all zeros)."""
+
+    num_prompt_tokens: int = 0  # prompt tokens the pass computed
+    propose_seconds: float = 0.0  # the head's work: drafting and settling
+    verify_seconds: float = 0.0
+    accept_seconds: float = 0.0
+    other_seconds: float = 0.0  # schedule, controller, commit
+    draft_budget: int | None = None  # see StepStats.draft_budget
+    num_decoding: int = 0  # counted by a speculative engine only
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -197,7 +211,7 @@ class LLMEngine:
             request.sequences.append(self._unforked_abort(request, index))
         self._finished_stats.append(_finished_stats(request))
         # the gauges move without a step
-        self._emit_stats(SchedulerOutput(), 0, [], (0.0, 0.0, 0.0, 0.0))
+        self._emit_stats(SchedulerOutput(), [], _StepMeasures())
         return self._delta(request, request.sequences)
 
     def has_unfinished_requests(self) -> bool:
@@ -228,11 +242,21 @@ class LLMEngine:
                 batch, num_draft_tokens, num_decoding, accepted, executed - proposed, start
             )
             budget = num_draft_tokens if num_decoding else None
-        timings = (proposed - start + settle_seconds, checked - proposed, decided - checked)
-        other = time.perf_counter() - began - sum(timings)  # schedule, controller, commit
-        self._emit_stats(
-            batch, num_prompt_tokens, accepted, (*timings, other), budget, num_decoding
+        propose, verify, accept = (
+            proposed - start + settle_seconds,
+            checked - proposed,
+            decided - checked,
         )
+        measures = _StepMeasures(
+            num_prompt_tokens,
+            propose,
+            verify,
+            accept,
+            other_seconds=time.perf_counter() - began - propose - verify - accept,
+            draft_budget=budget,
+            num_decoding=num_decoding,
+        )
+        self._emit_stats(batch, accepted, measures)
         return outputs
 
     def _planned_drafts(self) -> set[int] | None:
@@ -432,13 +456,7 @@ class LLMEngine:
         metrics.last_token_time = now
 
     def _emit_stats(
-        self,
-        batch: SchedulerOutput,
-        num_prompt_tokens: int,
-        verdicts: list[_Verdict],
-        timings: tuple[float, float, float, float],  # propose, verify, accept, other
-        draft_budget: int | None = None,
-        num_decoding: int = 0,
+        self, batch: SchedulerOutput, verdicts: list[_Verdict], measures: _StepMeasures
     ) -> None:
         finished, self._finished_stats = tuple(self._finished_stats), []
         ttfts, itls, self._ttfts, self._itls = tuple(self._ttfts), tuple(self._itls), [], []
@@ -456,7 +474,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.block_manager.usage,
-            num_prompt_tokens=num_prompt_tokens,
+            num_prompt_tokens=measures.num_prompt_tokens,
             num_generation_tokens=sum(v.num_emitted for v in verdicts),
             num_preemptions=len(batch.preempted),
             num_prefix_cache_queries=batch.num_cache_queried_tokens,
@@ -466,12 +484,12 @@ class LLMEngine:
             num_accepted_tokens=sum(accepted_per_position),
             accepted_per_position=tuple(accepted_per_position),
             tokens_per_pass=tuple(v.num_emitted for v in drafted),
-            draft_budget=draft_budget,
-            num_decoding=num_decoding,
-            propose_time_s=timings[0],
-            verify_time_s=timings[1],
-            accept_time_s=timings[2],
-            other_time_s=timings[3],
+            draft_budget=measures.draft_budget,
+            num_decoding=measures.num_decoding,
+            propose_time_s=measures.propose_seconds,
+            verify_time_s=measures.verify_seconds,
+            accept_time_s=measures.accept_seconds,
+            other_time_s=measures.other_seconds,
             time_to_first_tokens_s=ttfts,
             inter_token_latencies_s=itls,
             finished=finished,
