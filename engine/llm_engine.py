@@ -62,20 +62,6 @@ class _Verdict:
     num_emitted: int = 0  # accepted tokens actually appended (a stop cuts the rest)
 
 
-@dataclass(frozen=True)
-class _StepMeasures:
-    """What a step measured of itself, beside its batch and verdicts, for the stats listeners
-    (an abort's gauge-only emission has all zeros)."""
-
-    num_prompt_tokens: int = 0  # prompt tokens the pass computed
-    propose_seconds: float = 0.0  # the head's work: drafting and settling
-    verify_seconds: float = 0.0
-    accept_seconds: float = 0.0
-    other_seconds: float = 0.0  # schedule, controller, commit
-    draft_budget: int | None = None  # see StepStats.draft_budget
-    num_decoding: int = 0  # counted by a speculative engine only
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -211,7 +197,7 @@ class LLMEngine:
             request.sequences.append(self._unforked_abort(request, index))
         self._finished_stats.append(_finished_stats(request))
         # the gauges move without a step
-        self._emit_stats(SchedulerOutput(), [], _StepMeasures())
+        self._emit_stats(SchedulerOutput(), [], num_prompt_tokens=0)
         return self._delta(request, request.sequences)
 
     def has_unfinished_requests(self) -> bool:
@@ -234,7 +220,7 @@ class LLMEngine:
         accepted = self._accept(batch, trees, verified)  # accept
         decided = time.perf_counter()
         outputs, settle_seconds = self._commit(batch, trees, accepted, verified)  # commit
-        budget, num_decoding = None, 0  # a speculative engine's decoding steps: draft tokens
+        budget, num_decoding = None, 0  # counted by a speculative engine only
         if self.policy is not None:
             num_draft_tokens = sum(tree.num_draft_tokens for tree in trees.values())
             num_decoding = sum(1 for item in batch.scheduled if item.decoding)
@@ -242,21 +228,19 @@ class LLMEngine:
                 batch, num_draft_tokens, num_decoding, accepted, executed - proposed, start
             )
             budget = num_draft_tokens if num_decoding else None
-        propose, verify, accept = (
-            proposed - start + settle_seconds,
-            checked - proposed,
-            decided - checked,
-        )
-        measures = _StepMeasures(
-            num_prompt_tokens,
-            propose,
-            verify,
-            accept,
-            other_seconds=time.perf_counter() - began - propose - verify - accept,
+        propose = proposed - start + settle_seconds
+        verify, accept = checked - proposed, decided - checked
+        self._emit_stats(
+            batch,
+            accepted,
+            num_prompt_tokens=num_prompt_tokens,
             draft_budget=budget,
             num_decoding=num_decoding,
+            propose_time_s=propose,
+            verify_time_s=verify,
+            accept_time_s=accept,
+            other_time_s=time.perf_counter() - began - propose - verify - accept,
         )
-        self._emit_stats(batch, accepted, measures)
         return outputs
 
     def _planned_drafts(self) -> set[int] | None:
@@ -455,9 +439,9 @@ class LLMEngine:
             self._itls.extend([(now - metrics.last_token_time) / num_new] * num_new)
         metrics.last_token_time = now
 
-    def _emit_stats(
-        self, batch: SchedulerOutput, verdicts: list[_Verdict], measures: _StepMeasures
-    ) -> None:
+    def _emit_stats(self, batch: SchedulerOutput, verdicts: list[_Verdict], **measured) -> None:
+        """One StepStats to each listener: the batch's and verdicts' counts, with what the step
+        measured of itself as StepStats' own keyword fields (an abort's: prompt tokens only)."""
         finished, self._finished_stats = tuple(self._finished_stats), []
         ttfts, itls, self._ttfts, self._itls = tuple(self._ttfts), tuple(self._itls), [], []
         if not self.stats_listeners:
@@ -474,7 +458,6 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.block_manager.usage,
-            num_prompt_tokens=measures.num_prompt_tokens,
             num_generation_tokens=sum(v.num_emitted for v in verdicts),
             num_preemptions=len(batch.preempted),
             num_prefix_cache_queries=batch.num_cache_queried_tokens,
@@ -484,15 +467,10 @@ class LLMEngine:
             num_accepted_tokens=sum(accepted_per_position),
             accepted_per_position=tuple(accepted_per_position),
             tokens_per_pass=tuple(v.num_emitted for v in drafted),
-            draft_budget=measures.draft_budget,
-            num_decoding=measures.num_decoding,
-            propose_time_s=measures.propose_seconds,
-            verify_time_s=measures.verify_seconds,
-            accept_time_s=measures.accept_seconds,
-            other_time_s=measures.other_seconds,
             time_to_first_tokens_s=ttfts,
             inter_token_latencies_s=itls,
             finished=finished,
+            **measured,
         )
         for listener in self.stats_listeners:
             listener(stats)

@@ -8,8 +8,8 @@ recent throughput, with the ratio estimator's standard error. A step's seconds a
 to the bucket's smallest batch size by a fit of its plain steps' seconds on batch size: where a
 step's time grows with the batch, steps of different sizes would otherwise measure different
 things, and an arm played more while the load ramps would look better or worse for it. The
-choice is discounted Thompson
-sampling: draw each arm's rate from a normal that wide around its estimate, play the higher.
+choice is discounted Thompson sampling: draw each arm's rate from a normal that wide around its
+estimate, play the higher.
 Each arm is played twice first, and again whenever its discounted steps fall under one half.
 Steps that also compute prompt tokens are not measured (their time is mostly the prompt's) and
 draft only on a clear verdict: drafting's rate two standard errors ahead.
