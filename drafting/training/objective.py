@@ -176,14 +176,15 @@ def unrolled_predictions(
     other position sees them.
     """
     device = features.device
+    # a block per sequence and step: step s attends to its sequence's first s + 1 blocks only
     cache = KVCache(
-        [head.kv_layer_shape], len(lengths), steps * max(lengths), features.dtype, device
+        [head.kv_layer_shape], len(lengths) * steps, max(lengths), features.dtype, device
     )
     starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)  # [B] first position
     positions = _positions(lengths, device)  # [N]
     inputs, predictions = features, []
     for step in range(steps):
-        meta = _unrolled_step_metadata(lengths, step, cache.block_size, device)
+        meta = _unrolled_step_metadata(lengths, step, steps, cache.block_size, device)
         predicted = head(next_tokens, inputs, positions, cache.layers[0], meta, target_embedding)
         predictions.append(predicted)  # [N, hidden]
         inputs = torch.cat((features[:1], predicted[:-1]))  # [N, hidden] shifted one position
@@ -192,15 +193,19 @@ def unrolled_predictions(
 
 
 def _unrolled_step_metadata(
-    lengths: list[int], step: int, block_size: int, device: torch.device
+    lengths: list[int], step: int, steps: int, block_size: int, device: torch.device
 ) -> AttentionMetadata:
-    """Sequence b owns block b; step s writes its n entries after the s * n of earlier steps."""
+    """Sequence b owns blocks b * steps onwards; step s writes its n entries after the s * n of
+    earlier steps."""
     sequences = [
         # step 0 is the plain causal pass: the default mask, no tree mask to build
         SequenceAttention(
-            [block], step * n, n, tree_mask=_draft_path_mask(n, step) if step else None
+            list(range(b * steps, (b + 1) * steps)),
+            step * n,
+            n,
+            tree_mask=_draft_path_mask(n, step) if step else None,
         )
-        for block, n in enumerate(lengths)
+        for b, n in enumerate(lengths)
     ]
     return build_attention_metadata(sequences, block_size, device)
 

@@ -42,6 +42,10 @@ class AttentionGroup:
 
     block_tables: torch.Tensor  # [B, max_blocks] each sequence's blocks (padding: block 0)
     mask: torch.Tensor  # [B, 1, Q, C] True where a query may attend
+    # every sequence's queries are its first entries, with no tree mask or window: the mask is
+    # plain causal (query i sees entries 0..i), which SDPA computes without reading it, skipping
+    # the blocks above the diagonal
+    causal: bool
     # [B, Q] flat token of each padded query; None when the group is the whole step and every
     # sequence brings Q tokens, so the queries are a view of the step's tokens
     query_index: torch.Tensor | None
@@ -191,9 +195,12 @@ def _group(
         query_index = _tensor(np.where(valid_query, query_token, 0), device)
         flat_rows = np.arange(len(sequences) * num_queries).reshape(-1, num_queries)  # [B, Q]
         output_index = _tensor(flat_rows[valid_query], device)  # [T_g]
+    causal = not num_cached.any() and sliding_window is None
+    causal &= all(s.tree_mask is None for s in sequences)
     return AttentionGroup(
         block_tables=_tensor(tables, device),
         mask=_tensor(mask[:, None], device),  # [B, 1, Q, C]
+        causal=bool(causal),
         query_index=query_index,
         output_index=output_index,
         first_token=torch.from_numpy(first_token),
@@ -299,7 +306,8 @@ def group_attention(
         queries.transpose(1, 2),  # [B, H, Q, D]
         keys.transpose(1, 2),  # [B, KV, C, D]
         values.transpose(1, 2),
-        attn_mask=group.mask,  # [B, 1, Q, C]
+        attn_mask=None if group.causal else group.mask,  # [B, 1, Q, C]
+        is_causal=group.causal,  # query i sees keys 0..i (top-left aligned): the same mask
         scale=scale,
         enable_gqa=num_heads != k.shape[1],  # k's head count is static when compiled
     )  # [B, H, Q, D]
