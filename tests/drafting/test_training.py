@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 
@@ -59,6 +60,15 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tiny_models, tmp_path):
     cut = tokenize_conversation(tokenizer, messages, max_tokens=31)
     assert len(cut.token_ids) == len(cut.loss_mask) == 31
     assert tokenize_conversation(tokenizer, messages, max_tokens=5) is None  # no assistant token
+
+
+def test_gzipped_jsonl_reads_as_the_plain_file(tmp_path):
+    plain = write_jsonl(tmp_path / "data.jsonl", 5)
+    packed = tmp_path / "data.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    conversations = list(load_conversations(str(packed)))
+    assert len(conversations) == 5
+    assert conversations == list(load_conversations(str(plain)))
 
 
 def test_bad_data_source_is_a_clear_error(tmp_path):
