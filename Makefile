@@ -56,10 +56,11 @@ bench: setup
 # The draft head's training campaign (drafting/training/campaign.py), in the background: rerun it
 # on any machine to resume where it stopped. Its state lives outside the checkout; a new machine
 # starts from the last round committed by benchmarks/head_training.py (--seed).
-CAMPAIGN ?= $(HOME)/.cache/aerie/runs/campaign-sharegpt
+CAMPAIGN ?= $(HOME)/.cache/aerie/runs/campaign-first-turns
 head-campaign: setup
 	mkdir -p $(CAMPAIGN)
 	nohup nice -n 19 $(VENV)/bin/aerie head-campaign --out $(CAMPAIGN) $(if $(ROUNDS),--rounds $(ROUNDS)) \
 	  --dev-set $(CURDIR)/benchmarks/data/dev_set.jsonl \
+	  --distilled-seed $(CURDIR)/benchmarks/data/distilled_first_turns.jsonl.gz \
 	  --seed $(CURDIR)/benchmarks/results/head_training.json >> $(CAMPAIGN)/log.txt 2>&1 & \
 	  echo $$! > $(CAMPAIGN)/pid

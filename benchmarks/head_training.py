@@ -1,7 +1,9 @@
 """The head campaign's learning curve, copied into benchmarks/results with its plot: acceptance
 length on the dev set, per category and tree shape, against training tokens seen. Its last
-round's head is copied beside it (head_training_head/): `make head-campaign` on a new machine
-resumes from that copy (`--seed`) instead of training every round again.
+round's head is copied beside it (head_training_head/), and its distilled answers, in the order
+the rounds read them, over benchmarks/data/distilled_first_turns.jsonl.gz: `make head-campaign`
+on a new machine resumes from those copies (`--seed`, `--distilled-seed`) instead of distilling
+and training every round again.
 
     make head-campaign                                       # runs (or resumes) in the background
     .venv/bin/python benchmarks/head_training.py             # results/head_training.json + .png
@@ -10,23 +12,29 @@ resumes from that copy (`--seed`) instead of training every round again.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import platform
 import shutil
 from pathlib import Path
 
+from drafting.training.data import open_text
+
 from plotting import png_figure
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CAMPAIGN = Path.home() / ".cache" / "aerie" / "runs" / "campaign-sharegpt"
+CAMPAIGN = Path.home() / ".cache" / "aerie" / "runs" / "campaign-first-turns"
 LAST_HEAD = "head_training_head"  # beside the results file
+ANSWERS = REPO_ROOT / "benchmarks" / "data" / "distilled_first_turns.jsonl.gz"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--campaign", type=Path, default=CAMPAIGN, help="its --out folder")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--answers", type=Path, default=ANSWERS, help="the committed answers")
     args = parser.parse_args()
+    commit_answers(args.campaign / "distilled.jsonl", args.answers)
     curve = json.loads((args.campaign / "head_training.json").read_text())
     shipped_path = args.campaign / "shipped_head.json"
     shipped = json.loads(shipped_path.read_text()) if shipped_path.exists() else None
@@ -41,6 +49,22 @@ def main() -> None:
     shutil.copytree(curve[-1]["head"], args.out_dir / LAST_HEAD)
     (args.out_dir / "head_training.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(curve, shipped, args.out_dir / "head_training.png")
+
+
+def commit_answers(distilled: Path, committed: Path) -> None:
+    """Gzip the campaign's complete answer records over `committed` when they are more: the
+    campaign starts from the committed ones, so they are its first records, in the same order."""
+    if not distilled.exists():
+        return
+    text = distilled.read_text()
+    records = text[: text.rfind("\n") + 1]  # a line cut off by an interruption is not yet one
+    with open_text(committed) as lines:
+        if records.count("\n") <= sum(1 for _ in lines):
+            return
+    with gzip.GzipFile(
+        committed, "wb", mtime=0
+    ) as out:  # mtime 0: the same records, the same bytes
+        out.write(records.encode())
 
 
 def plot(curve: list[dict], shipped: dict | None, path: Path) -> None:

@@ -4,9 +4,11 @@ sessions as it takes.
 Round r trains the previous round's head further on the source conversations up to `rounds[r]`
 that no earlier round read (`train-head --first-conversation`), so each conversation costs its
 features and epochs once, and measures it on the dev set per category and tree shape. With
-`self_distil` the conversations are first answered by the target (`distill-data`) and the rounds
-count distilled conversations; without it the head learns the target's next-token distribution
-on the source's own answers, which costs no generation. Every stage resumes where it stopped:
+`self_distil` (the default) the conversations are first answered by the target (`distill-data`:
+by default its greedy answers to first turns, the data the shipped head was trained on) and the
+rounds count distilled conversations; `distilled_seed` starts the answers from a committed file.
+Without it the head learns the target's next-token distribution on the source's own answers,
+which costs no generation but measured far lower. Every stage resumes where it stopped:
 distillation after the records already written, feature caching after its last shard, training
 from its last checkpoint (every `checkpoint_every` optimizer steps), and a round's measurement is
 redone if it was cut short. A measured round's cached features are deleted (a later round never
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from drafting.shipped_heads import shipped_head
+from drafting.training.data import open_text
 from drafting.training.dev_set import read_dev_set
 from drafting.training.distill import DistillConfig, distill
 from drafting.training.evaluation import DEFAULT_TREE, acceptance_lengths, shape_name
@@ -36,18 +39,20 @@ class CampaignConfig:
     out: Path
     dev_set: Path
     data: str = "sharegpt"  # the source conversations (load_conversations)
-    # source conversations read by the end of each round
-    rounds: tuple[int, ...] = (500, 1000, 2000, 3000, 4000, 6000, 8000, 10000, 12500, 15000, 17500)
-    self_distil: bool = False  # train on the target's answers (distilled first), not the source's
+    # conversations read by the end of each round (distilled ones with self_distil)
+    rounds: tuple[int, ...] = (4505, 7000, 9500, 12000, 14500, 17000)
+    self_distil: bool = True  # train on the target's answers (distilled first), not the source's
+    distil_turns: int = 1  # user turns the target answers per distilled conversation
+    distilled_seed: Path | None = None  # committed answers (distill-data's JSONL) to start from
+    max_tokens: int = 160  # per distilled answer
+    sampled_share: float = 0.0  # of distilled conversations answered by sampling
     arch: str = "eagle3"
-    epochs: int = 4  # each round's conversations: replay pays per CPU minute as new data does
+    epochs: int = 6  # each round's conversations
     batch_tokens: int = 1024  # per optimizer step: a round's few new conversations need many steps
     draft_vocab_size: int = 8192
     unroll_steps: int = 3
     prompt_loss: bool = True  # also learn the target's next token inside user turns
     feature_weight: float = 1.0  # and regress to the target's next state (EAGLE-3 too)
-    max_tokens: int = 512  # per distilled answer
-    sampled_share: float = 0.25
     eval_max_tokens: int = 128
     seed: Path | None = None  # a committed copy of the campaign to resume from (docstring)
     train: dict = field(default_factory=dict)  # further TrainConfig fields
@@ -134,7 +139,12 @@ def _adopt_seed(config: CampaignConfig, out: Path, curve: list[dict]) -> list[di
 
 
 def _distilled(config: CampaignConfig, out: Path, conversations: int) -> Path:
+    """OUT/distilled.jsonl holding at least `conversations` records: the seed's first, in its
+    order, when the file is new, so a seeded round reads exactly the records it was trained on."""
     data = out / "distilled.jsonl"
+    if config.distilled_seed is not None and not data.exists():
+        with open_text(config.distilled_seed) as seed, data.open("w") as copy:
+            shutil.copyfileobj(seed, copy)
     distill(
         DistillConfig(
             config.target,
@@ -142,7 +152,7 @@ def _distilled(config: CampaignConfig, out: Path, conversations: int) -> Path:
             data,
             max_conversations=conversations,
             max_tokens=config.max_tokens,
-            max_turns=4,
+            max_turns=config.distil_turns,
             sampled_share=config.sampled_share,
         )
     )

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import TextIO
 
 from engine.errors import AerieError
 
@@ -54,10 +55,16 @@ def load_conversations(source: str) -> Iterator[list[Message]]:
         raise AerieError(
             f"training data {source!r}: expected 'sharegpt' or a .jsonl (or .jsonl.gz) file"
         )
-    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as lines:
+    with open_text(path) as lines:
         for number, line in enumerate(lines, 1):
             if line.strip():
                 yield _jsonl_messages(line, path, number)
+
+
+def open_text(path: str | Path) -> TextIO:
+    """A text file opened for reading, decompressed on the fly when its name ends in .gz."""
+    path = Path(path)
+    return gzip.open(path, "rt") if path.suffix == ".gz" else path.open()
 
 
 def _sharegpt() -> Iterator[list[Message]]:

@@ -3,16 +3,18 @@ dev-set measurement that a rerun resumes instead of redoing."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from drafting.training import campaign
 from drafting.training.campaign import CampaignConfig, run_campaign
-from drafting.training.data import training_conversations
+from drafting.training.data import load_conversations, training_conversations
 from drafting.training.dev_set import CATEGORIES, category_of
 from server.cli import main
 from tests.drafting.test_distill import write_multi_turn
@@ -159,11 +161,36 @@ def test_self_distilled_rounds_train_on_the_targets_answers(bigram_target, sourc
     assert first != tokens_in(bigram_target, source, 0, 4, 128)  # the target's answers, not these
 
 
-@pytest.mark.parametrize(("flag", "self_distil"), [([], False), (["--self-distil"], True)])
+def test_a_seeded_distillation_keeps_the_committed_answers_and_answers_the_rest(
+    bigram_target, source, tmp_path
+):
+    seed = tmp_path / "committed.jsonl.gz"
+    with gzip.open(seed, "wt") as out:
+        for index, messages in enumerate(load_conversations(str(source))):
+            if 1 <= index <= 4:  # index 0 is held out
+                committed = [*messages[:2], {"role": "assistant", "content": "committed"}]
+                out.write(json.dumps({"messages": committed, "source": index}) + "\n")
+    config = replace(
+        campaign_config(bigram_target, tmp_path, source, self_distil=True),
+        distil_turns=1,
+        distilled_seed=seed,
+    )
+    records = [json.loads(line) for line in campaign._distilled(config, tmp_path, 8).open()]
+
+    with gzip.open(seed, "rt") as committed:
+        assert records[:4] == [json.loads(line) for line in committed]
+    assert sorted(r["source"] for r in records[4:]) == [5, 6, 7, 8]
+    for record in records[4:]:  # first turns only, the target's answers
+        assert [m["role"] for m in record["messages"]] == ["system", "user", "assistant"]
+        assert record["messages"][-1]["content"] != "not the target's answer"
+
+
+@pytest.mark.parametrize(("flag", "self_distil"), [([], True), (["--no-self-distil"], False)])
 def test_the_command_line_builds_the_campaign_it_names(flag, self_distil, tmp_path, monkeypatch):
     configs = []
     monkeypatch.setattr(campaign, "run_campaign", lambda config: configs.append(config) or "")
     argv = ["head-campaign", "--out", str(tmp_path), "--dev-set", "dev.jsonl", "--rounds", "5,9"]
-    main(argv + flag + ["--epochs", "3"])
+    main(argv + flag + ["--epochs", "3", "--distilled-seed", "answers.jsonl.gz"])
     assert configs[0].self_distil is self_distil
     assert (configs[0].rounds, configs[0].epochs) == ((5, 9), 3)
+    assert configs[0].distilled_seed == Path("answers.jsonl.gz")
