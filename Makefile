@@ -55,7 +55,8 @@ bench: setup
 
 # The draft head's training campaign (drafting/training/campaign.py), in the background: rerun it
 # on any machine to resume where it stopped. Its state lives outside the checkout; a new machine
-# starts from the last round committed by benchmarks/head_training.py (--seed).
+# starts from the last round and the answers committed by benchmarks/head_training.py
+# (--seed, --distilled-seed).
 CAMPAIGN ?= $(HOME)/.cache/aerie/runs/campaign-first-turns
 head-campaign: setup
 	mkdir -p $(CAMPAIGN)

@@ -61,9 +61,8 @@ def commit_answers(distilled: Path, committed: Path) -> None:
     with open_text(committed) as lines:
         if records.count("\n") <= sum(1 for _ in lines):
             return
-    with gzip.GzipFile(
-        committed, "wb", mtime=0
-    ) as out:  # mtime 0: the same records, the same bytes
+    # mtime 0: the same records give the same bytes, so an unchanged campaign changes no file
+    with gzip.GzipFile(committed, "wb", mtime=0) as out:
         out.write(records.encode())
 
 
