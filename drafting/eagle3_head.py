@@ -2,14 +2,17 @@
 
 The target hands out its residual stream entering three of its layers (low, middle, high: the
 `feature_layers`), concatenated [3 * target_hidden]; `fc` projects that to the head's width. The
-one decoder layer (`midlayer`) attends over [input_layernorm(embedding) ; hidden_norm(feature)]
-(2 * hidden wide), keeps the feature as its residual, and returns the pre-norm output, which deeper
-drafting steps read back as their feature without `fc`. Draft logits are `lm_head(norm(output))`
-over a reduced draft vocabulary; draft id i stands for target id i + d2t[i].
+first decoder layer (`midlayer`) attends over [input_layernorm(embedding) ; hidden_norm(feature)]
+(2 * hidden wide) and keeps the feature as its residual; further layers (`layers.1`, ... where
+`num_hidden_layers` > 1, as vLLM reads them) are plain decoder layers on its output. The head
+returns the last layer's pre-norm output, which deeper drafting steps read back as their feature
+without `fc`. Draft logits are `lm_head(norm(output))` over a reduced draft vocabulary; draft id i
+stands for target id i + d2t[i].
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,14 +20,14 @@ import torch
 from torch import nn
 
 from drafting.head_format import fused_split_sizes, unfused, write_head_files
-from drafting.one_layer_head import OneLayerHead
-from engine.core.kv_cache import LayerShape
+from drafting.head_layers import HeadLayers
 from engine.errors import ModelLoadError
 from engine.execution.layers.attention import Attention
 from engine.execution.layers.mlp import GatedMLP
 from engine.execution.layers.norm import RMSNorm
 from engine.execution.layers.rotary import RotaryEmbedding
 from engine.execution.layers.weights import load_named_weights
+from engine.execution.models.decoder import DecoderLayer
 from engine.execution.models.spec import ModelSpec
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -58,17 +61,19 @@ class Eagle3Spec:
     qkv_bias: bool
     norm_before_residual: bool  # the residual is the normed feature (some SpecForge heads)
     has_embedding: bool
+    num_layers: int = (
+        1  # decoder layers: the first reads [embedding ; feature], the rest its output
+    )
 
     @classmethod
     def from_config(cls, config: dict, weights: dict, target: ModelSpec, folder) -> Eagle3Spec:
         missing = [k for k in _REQUIRED_CONFIG_KEYS if config.get(k) is None]
         if missing:
             raise ModelLoadError(f"draft head {folder}: config.json lacks {', '.join(missing)}")
-        if config.get("num_hidden_layers", 1) != 1:
-            raise ModelLoadError(
-                f"draft head {folder}: EAGLE-3 heads of {config['num_hidden_layers']} layers "
-                "are not supported (Aerie loads one-layer heads)"
-            )
+        num_layers = config.get("num_hidden_layers")
+        num_layers = 1 if num_layers is None else num_layers
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ModelLoadError(f"draft head {folder}: num_hidden_layers must be at least 1")
         variants = [k for k in _UNSUPPORTED_VARIANTS if _flag(config, k)]
         if variants:
             raise ModelLoadError(
@@ -88,16 +93,21 @@ class Eagle3Spec:
             target_hidden_size=config.get("target_hidden_size") or hidden,
             feature_layers=tuple(layers),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            qkv_bias="midlayer.self_attn.q_proj.bias" in weights,
+            qkv_bias=any(_module_name(k) == "self_attn.q_proj.bias" for k in weights),
             norm_before_residual=bool(config.get("norm_before_residual", False)),
             has_embedding="embed_tokens.weight" in weights,
+            num_layers=num_layers,
         )
 
     @classmethod
     def for_target(
-        cls, target: ModelSpec, draft_vocab_size: int, feature_layers: tuple[int, ...]
+        cls,
+        target: ModelSpec,
+        draft_vocab_size: int,
+        feature_layers: tuple[int, ...],
+        num_layers: int = 1,
     ) -> Eagle3Spec:
-        """A new head shaped like one layer of `target`, reading `feature_layers`."""
+        """A new head of `num_layers` layers shaped like `target`'s, reading `feature_layers`."""
         return cls(
             hidden_size=target.hidden_size,
             intermediate_size=target.intermediate_size,
@@ -112,6 +122,25 @@ class Eagle3Spec:
             qkv_bias=False,
             norm_before_residual=False,
             has_embedding=False,
+            num_layers=num_layers,
+        )
+
+    def upper_layer_spec(self) -> ModelSpec:
+        """The shape of the layers after the first: plain Llama decoder layers of the head's
+        width (DecoderLayer reads no vocabulary or position limit from it)."""
+        return ModelSpec(
+            model_type="llama",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers - 1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=0,
+            tie_word_embeddings=False,
+            qkv_bias=self.qkv_bias,
         )
 
     def config(self) -> dict:
@@ -119,7 +148,7 @@ class Eagle3Spec:
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "llama",
-            "num_hidden_layers": 1,
+            "num_hidden_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_attention_heads": self.num_heads,
@@ -155,7 +184,7 @@ def _feature_layers(config: dict) -> list[int] | None:
     )
 
 
-class Eagle3Head(OneLayerHead):
+class Eagle3Head(HeadLayers):
     def __init__(self, spec: Eagle3Spec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.spec = spec
@@ -174,14 +203,12 @@ class Eagle3Head(OneLayerHead):
         )
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.mlp = GatedMLP(h, spec.intermediate_size)
+        upper = spec.upper_layer_spec()
+        self.upper_layers = nn.ModuleList(DecoderLayer(upper) for _ in range(upper.num_layers))
         self.norm = RMSNorm(h, spec.rms_norm_eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
         self.rotary = rotary
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
-
-    @property
-    def kv_layer_shape(self) -> LayerShape:
-        return LayerShape(self.spec.num_kv_heads, self.spec.head_dim)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -228,7 +255,8 @@ def load_eagle3_head(
 
 
 def save_eagle3_head(head: Eagle3Head, folder: Path, rope: dict, dtype: torch.dtype) -> None:
-    """Write `head` as vLLM and SGLang read it: `midlayer.*` unfused, `d2t` and `t2d` maps."""
+    """Write `head` as vLLM and SGLang read it: `midlayer.*` (and `layers.N.*` after it) unfused,
+    `d2t` and `t2d` maps."""
     spec = head.spec
     sizes = fused_split_sizes(
         spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
@@ -241,13 +269,28 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, rope: dict, dtype: torch.dt
     write_head_files(folder, {**spec.config(), **rope}, tensors, dtype)
 
 
+_TOP_LEVEL = ("fc.", "embed_tokens.", "norm.", "lm_head.", "d2t")
+
+
 def _module_name(checkpoint_name: str) -> str:
-    return checkpoint_name.removeprefix("midlayer.")
+    """`midlayer.X` or `layers.0.X` -> X (the first layer's); `layers.N.X` -> `upper_layers.{N-1}.X`
+    (vLLM reads `midlayer.` as `layers.0.`)."""
+    if checkpoint_name.startswith("midlayer."):
+        return checkpoint_name.removeprefix("midlayer.")
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", checkpoint_name)
+    if match is None:
+        return checkpoint_name
+    index, rest = int(match[1]), match[2]
+    return rest if index == 0 else f"upper_layers.{index - 1}.{rest}"
 
 
 def _checkpoint_name(module_name: str) -> str:
-    top_level = ("fc.", "embed_tokens.", "norm.", "lm_head.", "d2t")
-    return module_name if module_name.startswith(top_level) else "midlayer." + module_name
+    if module_name.startswith(_TOP_LEVEL):
+        return module_name
+    match = re.fullmatch(r"upper_layers\.(\d+)\.(.+)", module_name)
+    if match is None:
+        return "midlayer." + module_name
+    return f"layers.{int(match[1]) + 1}.{match[2]}"
 
 
 def _check_against_target(spec: Eagle3Spec, target: ModelSpec, weights: dict, folder) -> None:

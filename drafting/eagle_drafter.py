@@ -105,13 +105,13 @@ class EagleDrafter:
         self,
         head: DraftHead,
         target: DecoderModel,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],  # one per head layer
         block_size: int,
         shape: TreeShape,
         policy: DraftPolicy | None = None,
         fp16_weights: bool = False,
     ) -> None:
-        self.head, self.target, self.kv_cache = head, target, kv_cache
+        self.head, self.target, self.kv_layers = head, target, kv_layers
         self.block_size, self.shape = block_size, shape
         self.policy = policy  # its budget keeps the nodes worth verifying; None: whole trees
         self.num_lookahead_tokens = shape.num_scratch
@@ -192,12 +192,16 @@ class EagleDrafter:
         return dict(zip(newest.seq_ids, hidden[[row - 1 for row in newest.last_rows()]]))
 
     def _store_kv(self, rows: _HeadRows) -> None:
-        """The head's K/V of `rows`, without its output (nobody reads it)."""
+        """The head's K/V of `rows`, without its output (nobody reads it); a head of several
+        layers runs its full pass, as its upper layers' K/V need the outputs below."""
+        if self.head.num_layers > 1:
+            self._run_head(rows.ids, torch.cat(rows.features), rows.positions, rows.attention)
+            return
         self.head.store_kv(
             torch.tensor(rows.ids, device=self.device),
             torch.cat(rows.features),
             torch.tensor(rows.positions, device=self.device),
-            self.kv_cache,
+            self.kv_layers,
             new_token_slots(rows.attention, self.block_size, self.device),
             self.target.embed_tokens,
         )
@@ -270,7 +274,7 @@ class EagleDrafter:
             torch.tensor(ids, device=self.device),
             features,
             torch.tensor(positions, device=self.device),
-            self.kv_cache,
+            self.kv_layers,
             meta,
             self.target.embed_tokens,
         )

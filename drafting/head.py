@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from drafting.head_format import fused_split_sizes, unfused, write_head_files
-from drafting.one_layer_head import OneLayerHead
-from engine.core.kv_cache import LayerShape
+from drafting.head_layers import HeadLayers
 from engine.errors import ModelLoadError
 from engine.execution.layers.attention import Attention
 from engine.execution.layers.mlp import GatedMLP
@@ -82,7 +81,7 @@ class HeadSpec:
         )
 
 
-class EagleHead(OneLayerHead):
+class EagleHead(HeadLayers):
     def __init__(self, spec: HeadSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.spec = spec
@@ -94,15 +93,11 @@ class EagleHead(OneLayerHead):
         )
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.mlp = GatedMLP(h, spec.intermediate_size)
+        self.upper_layers = nn.ModuleList()  # EAGLE-1/2 heads have one layer
         self.rotary = rotary
         # Optional reduced draft vocabulary (target token ids the head may propose), kept in
         # draft_vocab.json beside the weights so the weights stay in the published format.
         self.register_buffer("draft_vocab", None, persistent=False)
-
-    @property
-    def kv_layer_shape(self) -> LayerShape:
-        """The head's layer in the engine's paged KV pool."""
-        return LayerShape(self.spec.num_kv_heads, self.spec.head_dim)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -33,7 +33,7 @@ class EagleMethod:
         self,
         head: DraftHead,
         target: DecoderModel,
-        kv_layer: tuple[torch.Tensor, torch.Tensor],
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         config: EngineConfig,
         policy: DraftPolicy | None,
     ) -> EagleDrafter:
@@ -41,7 +41,7 @@ class EagleMethod:
         return EagleDrafter(
             head,
             target,
-            kv_layer,
+            kv_layers,
             config.block_size,
             shape,
             policy,

@@ -77,7 +77,7 @@ class LLMEngine:
         state_dict = load_state_dict(path)
         self.draft_method = load_draft_method() if config.draft else None
         head = self._load_head(config) if config.draft else None
-        extra_layers = (head.kv_layer_shape,) if head else ()
+        extra_layers = head.kv_layer_shapes if head else ()
         self.runner = ModelRunner(
             config,
             self.spec,
@@ -113,9 +113,10 @@ class LLMEngine:
         )
 
     def _make_drafter(self, head: DraftHead) -> Drafter:
-        kv_layer = self.runner.kv_cache.layers[-1]  # the extra layer allocated for the head
+        # the extra layers allocated for the head, after the target's
+        kv_layers = self.runner.kv_cache.layers[self.spec.num_layers :]
         return self.draft_method.make_drafter(
-            head, self.runner.model, kv_layer, self.config, self.policy
+            head, self.runner.model, kv_layers, self.config, self.policy
         )
 
     def _draft_policy(self) -> DraftPolicy:

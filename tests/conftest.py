@@ -139,10 +139,15 @@ def save_random_head(path: Path, target: Path, seed: int = 0) -> Path:
 
 
 def save_random_eagle3_head(
-    path: Path, target: Path, draft_vocab_size: int | None = None, seed: int = 0
+    path: Path,
+    target: Path,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    num_layers: int = 1,
 ) -> Path:
-    """A randomly initialised EAGLE-3 head for the tiny model in `target`: its draft vocabulary
-    the first `draft_vocab_size` target ids after a shift (so d2t is not all zeros)."""
+    """A randomly initialised EAGLE-3 head of `num_layers` layers for the tiny model in `target`:
+    its draft vocabulary the first `draft_vocab_size` target ids after a shift (so d2t is not all
+    zeros)."""
     from drafting.eagle3_head import Eagle3Head, Eagle3Spec
     from drafting.head_loader import save_head
     from engine.execution.layers.rotary import RotaryEmbedding
@@ -152,7 +157,7 @@ def save_random_eagle3_head(
     vocab = target_spec.vocab_size
     draft_vocab = draft_vocab_size or vocab
     layers = (0, 1, target_spec.num_layers - 1)  # vLLM's default needs 6 layers
-    spec = Eagle3Spec.for_target(target_spec, draft_vocab, layers)
+    spec = Eagle3Spec.for_target(target_spec, draft_vocab, layers, num_layers)
     head = Eagle3Head(spec, RotaryEmbedding(torch.ones(spec.head_dim // 2), 1.0, 1))
     target_ids = (torch.arange(draft_vocab) + (vocab - draft_vocab)) % vocab  # [V_draft]
     head.d2t.copy_(target_ids - torch.arange(draft_vocab))

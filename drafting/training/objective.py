@@ -178,14 +178,14 @@ def unrolled_predictions(
     device = features.device
     # a block per sequence and step: step s attends to its sequence's first s + 1 blocks only
     cache = KVCache(
-        [head.kv_layer_shape], len(lengths) * steps, max(lengths), features.dtype, device
+        list(head.kv_layer_shapes), len(lengths) * steps, max(lengths), features.dtype, device
     )
     starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)  # [B] first position
     positions = _positions(lengths, device)  # [N]
     inputs, predictions = features, []
     for step in range(steps):
         meta = _unrolled_step_metadata(lengths, step, steps, cache.block_size, device)
-        predicted = head(next_tokens, inputs, positions, cache.layers[0], meta, target_embedding)
+        predicted = head(next_tokens, inputs, positions, cache.layers, meta, target_embedding)
         predictions.append(predicted)  # [N, hidden]
         inputs = torch.cat((features[:1], predicted[:-1]))  # [N, hidden] shifted one position
         inputs[starts] = features[starts]  # a sequence's first position has no predecessor

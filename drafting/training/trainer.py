@@ -67,6 +67,7 @@ class TrainConfig:
     draft_vocab_size: int = 0  # > 0: the head proposes only the most frequent assistant tokens
     unroll_steps: int = 1  # > 1: also train on the head's own predictions (drafting depths 2..)
     intermediate_size: int = 0  # the head's MLP width; 0: the target's
+    head_layers: int = 1  # EAGLE-3: decoder layers of a new head (vLLM's num_hidden_layers)
     # the regression to the target's next state (EAGLE-3: of the head's normed output); None: the
     # format's own (objective.default_feature_weight)
     feature_weight: float | None = None
@@ -103,6 +104,13 @@ class TrainConfig:
             raise AerieError(f"--intermediate-size must not be negative: {self.intermediate_size}")
         if self.intermediate_size and self.init_head:
             raise AerieError("--intermediate-size shapes a new head, not one from --init-head")
+        if self.head_layers < 1:
+            raise AerieError(f"--head-layers must be at least 1, got {self.head_layers}")
+        if self.head_layers > 1 and (self.arch != "eagle3" or self.init_head):
+            raise AerieError(
+                "--head-layers shapes a new EAGLE-3 head (--arch eagle3, no --init-head); "
+                "EAGLE-1/2 heads have one layer"
+            )
         if self.unroll_steps < 1:
             raise AerieError(f"--unroll-steps must be at least 1, got {self.unroll_steps}")
         if self.first_conversation < 0 or (
@@ -328,7 +336,9 @@ class HeadTrainer:
     def _new_eagle3_head(self, rotary, draft_vocab: torch.Tensor | None) -> Eagle3Head:
         spec = self.llm.engine.spec
         vocab = draft_vocab if draft_vocab is not None else torch.arange(spec.vocab_size)
-        head_spec = Eagle3Spec.for_target(spec, len(vocab), self.target.feature_layers)
+        head_spec = Eagle3Spec.for_target(
+            spec, len(vocab), self.target.feature_layers, self.config.head_layers
+        )
         head = Eagle3Head(self._widened(head_spec), rotary)
         with torch.no_grad():  # start from the target's lm_head rows of the draft vocabulary
             head.lm_head.weight.copy_(self.target.lm_head.weight[vocab])

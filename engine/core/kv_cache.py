@@ -15,7 +15,7 @@ class LayerShape:
 
 class KVCache:
     """Per layer, K and V tensors [num_blocks, block_size, num_kv_heads, head_dim]. The target's
-    layers come first; a draft head's layer is one more, addressed by the same block tables."""
+    layers come first; a draft head's layers follow, addressed by the same block tables."""
 
     def __init__(
         self,

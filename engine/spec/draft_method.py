@@ -2,8 +2,8 @@
 
 The engine owns this protocol and `Drafter`; implementations live outside it (drafting/ holds
 EAGLE) and register under the `aerie.draft_methods` entry-point group in their package metadata,
-so dependencies point one way: drafting -> engine. A head is an `nn.Module` whose one KV layer the
-engine allocates in its own pool, beside the target's layers.
+so dependencies point one way: drafting -> engine. A head is an `nn.Module` whose KV layers (one per
+head layer) the engine allocates in its own pool, after the target's layers.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ DEFAULT_METHOD = "eagle"
 
 
 class DraftHead(Protocol):
-    kv_layer_shape: tuple[int, int]  # (num_kv_heads, head_dim) of the head's one KV layer
+    kv_layer_shapes: tuple[tuple[int, int], ...]  # (num_kv_heads, head_dim) per head layer
     # target layers whose input residual stream the head reads as its features (EAGLE-3);
     # empty: it reads the target's final hidden states (EAGLE-1/2)
     feature_layers: tuple[int, ...]
@@ -52,11 +52,11 @@ class DraftMethod(Protocol):
         self,
         head: DraftHead,
         target: DecoderModel,
-        kv_layer: tuple[torch.Tensor, torch.Tensor],
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         config: EngineConfig,
         policy: DraftPolicy | None,
     ) -> Drafter:
-        """The drafter that speculates with `head`, its K/V in `kv_layer` of the engine's pool,
+        """The drafter that speculates with `head`, its K/V in `kv_layers` of the engine's pool,
         for the sequences scheduled with draft scratch (the policy plans which), verifying the
         nodes `policy`'s budget keeps (None: every decoding sequence, whole trees)."""
 

@@ -104,6 +104,19 @@ def trained_eagle3_head(bigram_target, random_eagle3_head, tmp_path_factory) -> 
 
 
 @pytest.fixture(scope="session")
+def random_two_layer_eagle3_head(bigram_target, tmp_path_factory) -> Path:
+    """A random EAGLE-3 head of two decoder layers (vLLM's num_hidden_layers = 2)."""
+    folder = tmp_path_factory.mktemp("random-eagle3-2-layers")
+    return save_random_eagle3_head(folder, bigram_target, draft_vocab_size=192, num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def trained_two_layer_eagle3_head(bigram_target, random_two_layer_eagle3_head, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trained-eagle3-2-layers")
+    return train_head_quickly(bigram_target, random_two_layer_eagle3_head, folder)
+
+
+@pytest.fixture(scope="session")
 def small_vocab(tmp_path_factory) -> dict[str, Path]:
     """A tiny model with an 8-token vocabulary, sharp enough for sampled drafts to be accepted,
     with a random head, one trained for seconds, and an EAGLE-3 head trained for seconds."""

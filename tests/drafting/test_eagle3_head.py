@@ -1,6 +1,7 @@
 """EAGLE-3 heads in the published format (what vLLM, SGLang and SpecForge write and load): key
-names and config fields, the layer's arithmetic against a plain-torch reading of that format, the
-target's three-layer features, a write/load round trip, and refusals of heads that cannot work."""
+names and config fields, the layers' arithmetic against a plain-torch reading of that format (one
+layer, and two as vLLM stacks them), the target's three-layer features, a write/load round trip,
+and refusals of heads that cannot work."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from drafting.head_loader import load_head
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.errors import ModelLoadError
 from engine.execution.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.execution.model_files import load_config
@@ -74,51 +75,101 @@ def test_the_files_have_the_published_names_and_fields(random_eagle3_head):
     assert config["attention_bias"] is False and config["norm_before_residual"] is False
 
 
-def reference_layer(tensors: dict, config: dict, ids, aux, embedding) -> torch.Tensor:
-    """The published EAGLE-3 layer for one causal sequence, read straight off the tensors:
-    fc over the three states; attention over [norm(embedding) ; norm(feature)] with the feature as
-    the residual; MLP; pre-norm output. No rotary: every position here is 0."""
-    eps, heads, kv_heads = config["rms_norm_eps"], config["num_attention_heads"], 2
-    w = {k.removeprefix("midlayer."): v.float() for k, v in tensors.items()}
+UPPER_LAYER_KEYS = {  # a second layer, as vLLM reads it: a plain decoder layer
+    f"layers.1.{name}.weight"
+    for name in (
+        "input_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "post_attention_layernorm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+}
 
-    def norm(x, name):
+
+def test_a_two_layer_head_writes_its_second_layer_where_vllm_reads_it(
+    random_two_layer_eagle3_head,
+):
+    tensors = load_file(str(random_two_layer_eagle3_head / "model.safetensors"))
+    assert set(tensors) == PUBLISHED_KEYS | UPPER_LAYER_KEYS
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (64, 2 * 64)
+    assert tensors["layers.1.self_attn.q_proj.weight"].shape == (64, 64)  # reads the layer below
+    config = json.loads((random_two_layer_eagle3_head / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2
+
+
+def reference_head(tensors: dict, config: dict, ids, aux, embedding) -> torch.Tensor:
+    """The published EAGLE-3 head for one causal sequence, read straight off the tensors: fc over
+    the three states; attention over [norm(embedding) ; norm(feature)] with the feature as the
+    residual; MLP; then each `layers.N` a plain decoder layer; the pre-norm output. No rotary:
+    every position here is 0."""
+    eps = config["rms_norm_eps"]
+    layers = [{k.removeprefix("midlayer."): v.float() for k, v in tensors.items()}]
+    for n in range(1, config["num_hidden_layers"]):
+        prefix = f"layers.{n}."
+        layers.append(
+            {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+        )
+
+    def norm(x, w, name):
         return F.rms_norm(x, x.shape[-1:], w[name], eps)
 
-    feature = aux @ w["fc.weight"].T  # [T, hidden]
+    feature = aux @ layers[0]["fc.weight"].T  # [T, hidden]
     x = torch.cat(
-        [norm(embedding(ids), "input_layernorm.weight"), norm(feature, "hidden_norm.weight")], -1
+        [
+            norm(embedding(ids), layers[0], "input_layernorm.weight"),
+            norm(feature, layers[0], "hidden_norm.weight"),
+        ],
+        -1,
     )
-    q = (x @ w["self_attn.q_proj.weight"].T).view(len(ids), heads, -1).transpose(0, 1)
-    k = (x @ w["self_attn.k_proj.weight"].T).view(len(ids), kv_heads, -1).transpose(0, 1)
-    v = (x @ w["self_attn.v_proj.weight"].T).view(len(ids), kv_heads, -1).transpose(0, 1)
+    residual = feature
+    for index, w in enumerate(layers):
+        if index > 0:
+            x = norm(residual, w, "input_layernorm.weight")
+        residual = residual + reference_attention(w, x, config["num_attention_heads"])
+        h = norm(residual, w, "post_attention_layernorm.weight")
+        gate, up = h @ w["mlp.gate_proj.weight"].T, h @ w["mlp.up_proj.weight"].T
+        residual = residual + (F.silu(gate) * up) @ w["mlp.down_proj.weight"].T
+    return residual
+
+
+def reference_attention(w: dict, x: torch.Tensor, heads: int, kv_heads: int = 2) -> torch.Tensor:
+    """Causal grouped-query attention of one layer's weights `w` over x [T, in] -> [T, hidden]."""
+    length = len(x)
+    q = (x @ w["self_attn.q_proj.weight"].T).view(length, heads, -1).transpose(0, 1)
+    k = (x @ w["self_attn.k_proj.weight"].T).view(length, kv_heads, -1).transpose(0, 1)
+    v = (x @ w["self_attn.v_proj.weight"].T).view(length, kv_heads, -1).transpose(0, 1)
     k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
     attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [heads, T, D]
-    attended = attended.transpose(0, 1).reshape(len(ids), -1) @ w["self_attn.o_proj.weight"].T
-    residual = feature + attended
-    h = norm(residual, "post_attention_layernorm.weight")
-    mlp = (F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) @ w[
-        "mlp.down_proj.weight"
-    ].T
-    return residual + mlp
+    return attended.transpose(0, 1).reshape(length, -1) @ w["self_attn.o_proj.weight"].T
 
 
-def test_the_layer_computes_what_the_format_means(bigram_target, random_eagle3_head):
-    head = load(random_eagle3_head, bigram_target)
-    tensors = load_file(str(random_eagle3_head / "model.safetensors"))
-    config = json.loads((random_eagle3_head / "config.json").read_text())
+@pytest.mark.parametrize("folder", ["random_eagle3_head", "random_two_layer_eagle3_head"])
+def test_the_layers_compute_what_the_format_means(bigram_target, folder, request):
+    folder = request.getfixturevalue(folder)
+    head = load(folder, bigram_target)
+    tensors = load_file(str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
     embedding = torch.nn.Embedding(256, 64)
     ids, aux = torch.tensor([5, 9, 17, 30]), torch.randn(4, 3 * 64)
     positions = torch.zeros(4, dtype=torch.long)  # rotary is the identity at position 0
-    kv = torch.zeros(2, 1, 8, 2, 16)
+    kv_layers = [
+        (torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)) for _ in range(head.num_layers)
+    ]
     meta = build_attention_metadata([SequenceAttention([0], 0, 4)], 8, torch.device("cpu"))
     with torch.no_grad():
-        ours = head(ids, aux, positions, (kv[0], kv[1]), meta, embedding)
-        expected = reference_layer(tensors, config, ids, aux, embedding)
+        ours = head(ids, aux, positions, kv_layers, meta, embedding)
+        expected = reference_head(tensors, config, ids, aux, embedding)
         assert torch.allclose(ours, expected, atol=1e-4)
         logits = head.draft_logits(ours)  # [T, V_draft]: lm_head over norm(output)
         normed = F.rms_norm(ours, (64,), tensors["norm.weight"], config["rms_norm_eps"])
         assert torch.allclose(logits, normed @ tensors["lm_head.weight"].T, atol=1e-4)
     assert torch.equal(head.draft_vocab, torch.arange(192) + tensors["d2t"])
+    assert all(k.abs().sum() > 0 for k, _ in kv_layers)  # every layer wrote its K/V
 
 
 def test_the_target_hands_out_the_residual_stream_entering_its_feature_layers(bigram_target):
@@ -142,10 +193,11 @@ def test_the_target_hands_out_the_residual_stream_entering_its_feature_layers(bi
     assert torch.allclose(hidden, states[-1][0], atol=1e-4)
 
 
-def test_written_heads_load_back_identical(bigram_target, trained_eagle3_head, tmp_path):
+@pytest.mark.parametrize("folder", ["trained_eagle3_head", "trained_two_layer_eagle3_head"])
+def test_written_heads_load_back_identical(bigram_target, folder, tmp_path, request):
     from drafting.head_loader import save_head
 
-    head = load(trained_eagle3_head, bigram_target)
+    head = load(request.getfixturevalue(folder), bigram_target)
     copy = save_head(head, tmp_path / "copy", {"rope_theta": 10000.0}, torch.float32)
     again = load(copy, bigram_target)
     for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items()):
@@ -177,6 +229,24 @@ def test_rewritten_heads_keep_biases_and_the_residual_choice_in_the_fields_vllm_
         assert torch.equal(a, b), name
 
 
+def test_heads_naming_the_first_layer_layers_0_load_as_vllm_loads_them(
+    bigram_target, random_two_layer_eagle3_head, tmp_path
+):
+    """vLLM reads `midlayer.` as `layers.0.` and builds a `hidden_norm` in every layer, which
+    some writers fill: the same head under those names loads the same."""
+
+    def rename(weights):
+        for name in [k for k in weights if k.startswith("midlayer.")]:
+            weights[name.replace("midlayer.", "layers.0.")] = weights.pop(name)
+        weights["layers.1.hidden_norm.weight"] = torch.ones(64)
+
+    renamed = edit(random_two_layer_eagle3_head, tmp_path, weights=rename)
+    head, again = load(random_two_layer_eagle3_head, bigram_target), load(renamed, bigram_target)
+    assert head.spec == again.spec
+    for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize(
     "breakage, message",
     [
@@ -192,7 +262,8 @@ def test_rewritten_heads_keep_biases_and_the_residual_choice_in_the_fields_vllm_
         ),
         (dict(config=lambda c: c.update(target_hidden_size=128)), "target_hidden_size"),
         (dict(config=lambda c: c.update(vocab_size=512)), "vocabulary"),
-        (dict(config=lambda c: c.update(num_hidden_layers=2)), "layers are not supported"),
+        (dict(config=lambda c: c.update(num_hidden_layers=2)), "lacks 6 weights"),
+        (dict(config=lambda c: c.update(num_hidden_layers=0)), "num_hidden_layers must be"),
         (dict(weights=lambda w: w.pop("midlayer.hidden_norm.weight")), "lacks 1 weights"),
         (dict(config=lambda c: c.update(norm_output=True)), "variants with norm_output"),
         (dict(config=lambda c: c.update(fc_norm=True)), "variants with fc_norm"),
@@ -212,6 +283,7 @@ def test_heads_that_cannot_work_are_refused_with_the_reason(
 
 @pytest.mark.slow
 def test_train_head_writes_an_eagle3_head_the_engine_drafts_with(bigram_target, tmp_path):
+    """Here of two layers (`--head-layers 2`): the file vLLM reads, and drafts the engine runs."""
     from drafting.training.trainer import TrainConfig, train_head
 
     data = write_jsonl(tmp_path / "data.jsonl", 60)
@@ -224,12 +296,18 @@ def test_train_head_writes_an_eagle3_head_the_engine_drafts_with(bigram_target, 
         batch_tokens=512,
         draft_vocab_size=64,
         unroll_steps=2,
+        head_layers=2,
         eval_conversations=2,
         eval_max_tokens=8,
     )
     folder = train_head(config)
-    assert json.loads((folder / "config.json").read_text())["architectures"] == [
-        "LlamaForCausalLMEagle3"
-    ]
+    written = json.loads((folder / "config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert written["num_hidden_layers"] == 2
+    assert set(load_file(str(folder / "model.safetensors"))) >= UPPER_LAYER_KEYS
     head = load(folder, bigram_target)
-    assert len(head.draft_vocab) == 64
+    assert len(head.draft_vocab) == 64 and head.num_layers == 2
+    llm = LLM(str(bigram_target), draft=str(folder), num_kv_blocks=256)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    (output,) = llm.generate([[5, 9, 17, 30]], greedy, use_tqdm=False)
+    assert output.metrics.num_draft_tokens > 0

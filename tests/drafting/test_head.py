@@ -163,9 +163,9 @@ def test_store_kv_writes_what_the_full_pass_writes(bigram_target, random_head, k
     full, stored = empty_cache(), empty_cache()
     meta = build_attention_metadata(rows, block_size, torch.device("cpu"))
     with torch.inference_mode():
-        head(ids, features, positions, full, meta, embedding)
+        head(ids, features, positions, [full], meta, embedding)
         slots = new_token_slots(rows, block_size, torch.device("cpu"))
-        head.store_kv(ids, features, positions, stored, slots, embedding)
+        head.store_kv(ids, features, positions, [stored], slots, embedding)
     assert torch.equal(slots, meta.slot_mapping)
     assert full[0].abs().sum() > 0 and full[1].abs().sum() > 0
     # the same matmul but for the output's width: equal up to the kernel's rounding

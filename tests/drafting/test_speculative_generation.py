@@ -68,7 +68,14 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize(
-    "head", ["random_head", "trained_head", "random_eagle3_head", "trained_eagle3_head"]
+    "head",
+    [
+        "random_head",
+        "trained_head",
+        "random_eagle3_head",
+        "trained_eagle3_head",
+        "trained_two_layer_eagle3_head",
+    ],
 )
 def test_greedy_speculation_equals_plain_decoding(bigram_target, head, scenario, request):
     draft = request.getfixturevalue(head)

@@ -96,6 +96,10 @@ def test_flags_that_do_not_fit_the_head_are_refused(tmp_path):
         TrainConfig("m", data, tmp_path, feature_layers=(0, 1, 1))  # EAGLE-2 reads one state
     with pytest.raises(AerieError, match="feature-layers"):
         TrainConfig("m", data, tmp_path, arch="eagle3", feature_layers=(0, 1), init_head="h")
+    with pytest.raises(AerieError, match="head-layers"):
+        TrainConfig("m", data, tmp_path, head_layers=2)  # EAGLE-1/2 heads have one layer
+    with pytest.raises(AerieError, match="head-layers"):
+        TrainConfig("m", data, tmp_path, arch="eagle3", head_layers=0)
 
 
 def test_feature_layers_flag_reads_comma_separated_layers(tmp_path, monkeypatch):
@@ -275,7 +279,7 @@ def draft_chain_prediction(head, embedding, tokens, features, end: int, depth: i
     the target-fed head over the positions before the path, then one node per level, each reading
     the previous level's predicted feature and attending to the context and its ancestors."""
     root = end - depth
-    cache = KVCache([head.kv_layer_shape], 1, 64, features.dtype, features.device)
+    cache = KVCache(list(head.kv_layer_shapes), 1, 64, features.dtype, features.device)
 
     def run(first: int, count: int, fed: torch.Tensor) -> torch.Tensor:  # [count, hidden]
         meta = build_attention_metadata(
@@ -283,7 +287,7 @@ def draft_chain_prediction(head, embedding, tokens, features, end: int, depth: i
         )
         where = slice(first, first + count)
         return head(
-            tokens[where], fed, torch.arange(first, first + count), cache.layers[0], meta, embedding
+            tokens[where], fed, torch.arange(first, first + count), cache.layers, meta, embedding
         )
 
     if root > 0:
