@@ -12,13 +12,12 @@ and training every round again.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import platform
 import shutil
 from pathlib import Path
 
-from drafting.training.data import open_text
+from drafting.training.campaign import commit_distilled
 
 from plotting import png_figure
 
@@ -34,7 +33,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     parser.add_argument("--answers", type=Path, default=ANSWERS, help="the committed answers")
     args = parser.parse_args()
-    commit_answers(args.campaign / "distilled.jsonl", args.answers)
+    commit_distilled(args.campaign / "distilled.jsonl", args.answers)
     curve = json.loads((args.campaign / "head_training.json").read_text())
     shipped_path = args.campaign / "shipped_head.json"
     shipped = json.loads(shipped_path.read_text()) if shipped_path.exists() else None
@@ -49,21 +48,6 @@ def main() -> None:
     shutil.copytree(curve[-1]["head"], args.out_dir / LAST_HEAD)
     (args.out_dir / "head_training.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(curve, shipped, args.out_dir / "head_training.png")
-
-
-def commit_answers(distilled: Path, committed: Path) -> None:
-    """Gzip the campaign's complete answer records over `committed` when they are more: the
-    campaign starts from the committed ones, so they are its first records, in the same order."""
-    if not distilled.exists():
-        return
-    text = distilled.read_text()
-    records = text[: text.rfind("\n") + 1]  # a line cut off by an interruption is not yet one
-    with open_text(committed) as lines:
-        if records.count("\n") <= sum(1 for _ in lines):
-            return
-    # mtime 0: the same records give the same bytes, so an unchanged campaign changes no file
-    with gzip.GzipFile(committed, "wb", mtime=0) as out:
-        out.write(records.encode())
 
 
 def plot(curve: list[dict], shipped: dict | None, path: Path) -> None:

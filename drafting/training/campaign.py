@@ -19,6 +19,7 @@ must beat."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 from dataclasses import dataclass, field, replace
@@ -157,6 +158,23 @@ def _distilled(config: CampaignConfig, out: Path, conversations: int) -> Path:
         )
     )
     return data
+
+
+def commit_distilled(distilled: Path, committed: Path) -> None:
+    """Gzip a campaign's complete answer records over `committed` (its `distilled_seed`) when they
+    are more: the campaign starts from the committed ones, so they stay its first records, in the
+    same order, and a new machine distils only what no commit holds."""
+    if not distilled.exists():
+        return
+    text = distilled.read_text()
+    records = text[: text.rfind("\n") + 1]  # a line cut off by an interruption is not yet one
+    if committed.exists():
+        with open_text(committed) as lines:
+            if records.count("\n") <= sum(1 for _ in lines):
+                return
+    # mtime 0: the same records give the same bytes, so an unchanged campaign changes no file
+    with gzip.GzipFile(committed, "wb", mtime=0) as out:
+        out.write(records.encode())
 
 
 def _train_config(

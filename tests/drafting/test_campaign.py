@@ -185,6 +185,25 @@ def test_a_seeded_distillation_keeps_the_committed_answers_and_answers_the_rest(
         assert record["messages"][-1]["content"] != "not the target's answer"
 
 
+def test_the_campaigns_answers_are_committed_after_the_committed_ones_when_more(tmp_path):
+    committed = tmp_path / "answers.jsonl.gz"
+    distilled = tmp_path / "distilled.jsonl"
+    lines = [json.dumps({"source": i}) + "\n" for i in range(6)]
+    distilled.write_text("".join(lines[:4]))
+    campaign.commit_distilled(distilled, committed)
+    first = committed.read_bytes()
+    assert gzip.decompress(first).decode() == "".join(lines[:4])
+
+    campaign.commit_distilled(distilled, committed)  # nothing new: the very same bytes
+    assert committed.read_bytes() == first
+    distilled.write_text("".join(lines) + '{"source": 6, "cut off mid-wr')
+    campaign.commit_distilled(distilled, committed)
+    assert gzip.decompress(committed.read_bytes()).decode() == "".join(lines)  # the whole lines
+    distilled.write_text("".join(lines[:2]))  # fewer than committed (a replaced machine's start)
+    campaign.commit_distilled(distilled, committed)
+    assert gzip.decompress(committed.read_bytes()).decode() == "".join(lines)
+
+
 @pytest.mark.parametrize(("flag", "self_distil"), [([], True), (["--no-self-distil"], False)])
 def test_the_command_line_builds_the_campaign_it_names(flag, self_distil, tmp_path, monkeypatch):
     configs = []
