@@ -11,8 +11,9 @@ tokens after the first (which prefill emits) over decode steps. vLLM's: 1 + acce
 its Prometheus counters after the run, checked against its ``SpecDecoding metrics: Mean acceptance
 length`` log lines (each line covers the interval since the previous one; they are summed here,
 weighted by drafts). Also reported: each engine's draft acceptance rate and how many greedy texts
-agree. Writes ``vllm_eagle3_interop.json`` and ``.png`` (and vLLM's log as ``.log``) to
-``--out-dir``. From the repository root, with background jobs paused:
+agree. Writes ``vllm_eagle3_interop.json`` and ``.png`` (and vLLM's log as ``.log``), or
+``NAME.json`` and so on with ``--name``, to ``--out-dir``. From the repository root, with
+background jobs paused:
 
     python benchmarks/bench_vllm_interop.py ~/.cache/aerie/runs/interop-head/head
     python benchmarks/bench_vllm_interop.py HEAD --vllm-log saved.log   # reuse a server's log
@@ -25,6 +26,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -59,12 +61,13 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--vllm-log", type=Path, help="read this server log instead of running")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default="vllm_eagle3_interop", help="the result files' stem")
     args = parser.parse_args()
     head = args.head.expanduser().resolve()
     machine = machine_info()
     aerie = run_aerie(head, args.num_prompts, args.max_tokens)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / "vllm_eagle3_interop.json"
+    out = args.out_dir / f"{args.name}.json"
     command = vllm_command(args.vllm_venv, head, args.port, args.enforce_eager)
     if args.vllm_log:
         vllm = {"log": summarize_log(args.vllm_log.read_text()), "texts": None}
@@ -87,7 +90,7 @@ def main() -> None:
             "vllm_num_speculative_tokens": SPECULATIVE_TOKENS,
         },
         "commands": {
-            "benchmark": "python benchmarks/bench_vllm_interop.py " + str(head),
+            "benchmark": " ".join(["python benchmarks/bench_vllm_interop.py", *sys.argv[1:]]),
             "vllm_server": " ".join(command),
             "vllm_env": vllm_env_vars(args.vllm_venv),
         },

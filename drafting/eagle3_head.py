@@ -13,7 +13,7 @@ stands for target id i + d2t[i].
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -234,6 +234,20 @@ class Eagle3Head(HeadLayers):
         normed = self.hidden_norm(feature)
         residual = normed if self.spec.norm_before_residual else feature
         return torch.cat((self.input_layernorm(embedding), normed), dim=-1), residual
+
+
+def deepened(head: Eagle3Head, num_layers: int) -> Eagle3Head:
+    """`head` with decoder layers added on top up to `num_layers`, each starting as the identity
+    (o_proj and down_proj zero: its attention and MLP add nothing to the residual stream), so
+    the deeper head drafts exactly as `head` did until training moves them."""
+    deeper = Eagle3Head(replace(head.spec, num_layers=num_layers), head.rotary)
+    deeper.to(head.fc.weight)
+    deeper.load_state_dict(head.state_dict(), strict=False)  # the new layers: fresh weights
+    with torch.no_grad():
+        for layer in deeper.upper_layers[head.num_layers - 1 :]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return deeper
 
 
 def load_eagle3_head(

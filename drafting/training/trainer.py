@@ -29,6 +29,7 @@ from tqdm import tqdm
 from drafting.eagle3_head import (
     Eagle3Head,
     Eagle3Spec,
+    deepened,
     default_feature_layers,
     feature_layers_fit,
 )
@@ -67,7 +68,9 @@ class TrainConfig:
     draft_vocab_size: int = 0  # > 0: the head proposes only the most frequent assistant tokens
     unroll_steps: int = 1  # > 1: also train on the head's own predictions (drafting depths 2..)
     intermediate_size: int = 0  # the head's MLP width; 0: the target's
-    head_layers: int = 1  # EAGLE-3: decoder layers of a new head (vLLM's num_hidden_layers)
+    # EAGLE-3: decoder layers (vLLM's num_hidden_layers) of a new head (None: 1), or of
+    # --init-head's deepened by layers that start as the identity (None: its own)
+    head_layers: int | None = None
     # the regression to the target's next state (EAGLE-3: of the head's normed output); None: the
     # format's own (objective.default_feature_weight)
     feature_weight: float | None = None
@@ -104,13 +107,10 @@ class TrainConfig:
             raise AerieError(f"--intermediate-size must not be negative: {self.intermediate_size}")
         if self.intermediate_size and self.init_head:
             raise AerieError("--intermediate-size shapes a new head, not one from --init-head")
-        if self.head_layers < 1:
+        if self.head_layers is not None and self.head_layers < 1:
             raise AerieError(f"--head-layers must be at least 1, got {self.head_layers}")
-        if self.head_layers > 1 and (self.arch != "eagle3" or self.init_head):
-            raise AerieError(
-                "--head-layers shapes a new EAGLE-3 head (--arch eagle3, no --init-head); "
-                "EAGLE-1/2 heads have one layer"
-            )
+        if (self.head_layers or 1) > 1 and self.arch != "eagle3":
+            raise AerieError("--head-layers is for --arch eagle3 (EAGLE-1/2 heads have one layer)")
         if self.unroll_steps < 1:
             raise AerieError(f"--unroll-steps must be at least 1, got {self.unroll_steps}")
         if self.first_conversation < 0 or (
@@ -337,7 +337,7 @@ class HeadTrainer:
         spec = self.llm.engine.spec
         vocab = draft_vocab if draft_vocab is not None else torch.arange(spec.vocab_size)
         head_spec = Eagle3Spec.for_target(
-            spec, len(vocab), self.target.feature_layers, self.config.head_layers
+            spec, len(vocab), self.target.feature_layers, self.config.head_layers or 1
         )
         head = Eagle3Head(self._widened(head_spec), rotary)
         with torch.no_grad():  # start from the target's lm_head rows of the draft vocabulary
@@ -361,7 +361,15 @@ class HeadTrainer:
             self.target.lm_head.weight.device,
             self.target.lm_head.weight.dtype,
         )
-        return head.train()
+        layers = self.config.head_layers
+        if layers is None or layers == head.num_layers:
+            return head.train()
+        if not isinstance(head, Eagle3Head) or layers < head.num_layers:
+            raise AerieError(
+                f"--head-layers {layers} cannot deepen {path}: an EAGLE-3 head of "
+                f"{head.num_layers} layer(s) only gains layers"
+            )
+        return deepened(head, layers).train()
 
     def _resume(self, head, optimizer) -> dict:
         path = self.out / "checkpoint.pt"

@@ -193,6 +193,30 @@ def test_the_target_hands_out_the_residual_stream_entering_its_feature_layers(bi
     assert torch.allclose(hidden, states[-1][0], atol=1e-4)
 
 
+def test_a_deepened_head_drafts_as_the_head_it_grew_from(
+    bigram_target, trained_eagle3_head, tmp_path
+):
+    from drafting.eagle3_head import deepened
+    from drafting.head_loader import save_head
+
+    head = load(trained_eagle3_head, bigram_target)
+    deeper = deepened(head, 3)
+    assert deeper.num_layers == 3 and deeper.draft_vocab.equal(head.draft_vocab)
+    embedding = torch.nn.Embedding(256, 64)
+    ids, aux, positions = torch.tensor([5, 9, 17, 30]), torch.randn(4, 3 * 64), torch.arange(4)
+    meta = build_attention_metadata([SequenceAttention([0], 0, 4)], 8, torch.device("cpu"))
+
+    def run(model):
+        kv_layers = [(torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)) for _ in range(3)]
+        return model(ids, aux, positions, kv_layers, meta, embedding)
+
+    with torch.no_grad():
+        torch.testing.assert_close(run(deeper), run(head))
+    written = save_head(deeper, tmp_path / "deeper", {"rope_theta": 10000.0}, torch.float32)
+    assert json.loads((written / "config.json").read_text())["num_hidden_layers"] == 3
+    assert load(written, bigram_target).num_layers == 3
+
+
 @pytest.mark.parametrize("folder", ["trained_eagle3_head", "trained_two_layer_eagle3_head"])
 def test_written_heads_load_back_identical(bigram_target, folder, tmp_path, request):
     from drafting.head_loader import save_head
