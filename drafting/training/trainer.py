@@ -71,6 +71,9 @@ class TrainConfig:
     # EAGLE-3: decoder layers (vLLM's num_hidden_layers) of a new head (None: 1), or of
     # --init-head's deepened by layers that start as the identity (None: its own)
     head_layers: int | None = None
+    # EAGLE-3: a new head's residual stream starts from its normed feature (the format's
+    # norm_before_residual), not the raw projection, whose few huge target dims dwarf the layers'
+    norm_before_residual: bool = False
     # the regression to the target's next state (EAGLE-3: of the head's normed output); None: the
     # format's own (objective.default_feature_weight)
     feature_weight: float | None = None
@@ -109,6 +112,10 @@ class TrainConfig:
             raise AerieError("--intermediate-size shapes a new head, not one from --init-head")
         if self.head_layers is not None and self.head_layers < 1:
             raise AerieError(f"--head-layers must be at least 1, got {self.head_layers}")
+        if self.norm_before_residual and (self.arch != "eagle3" or self.init_head):
+            raise AerieError(
+                "--norm-before-residual shapes a new EAGLE-3 head (--arch eagle3, no --init-head)"
+            )
         if (self.head_layers or 1) > 1 and self.arch != "eagle3":
             raise AerieError("--head-layers is for --arch eagle3 (EAGLE-1/2 heads have one layer)")
         if self.unroll_steps < 1:
@@ -336,8 +343,11 @@ class HeadTrainer:
     def _new_eagle3_head(self, rotary, draft_vocab: torch.Tensor | None) -> Eagle3Head:
         spec = self.llm.engine.spec
         vocab = draft_vocab if draft_vocab is not None else torch.arange(spec.vocab_size)
-        head_spec = Eagle3Spec.for_target(
-            spec, len(vocab), self.target.feature_layers, self.config.head_layers or 1
+        head_spec = replace(
+            Eagle3Spec.for_target(
+                spec, len(vocab), self.target.feature_layers, self.config.head_layers or 1
+            ),
+            norm_before_residual=self.config.norm_before_residual,
         )
         head = Eagle3Head(self._widened(head_spec), rotary)
         with torch.no_grad():  # start from the target's lm_head rows of the draft vocabulary

@@ -307,7 +307,8 @@ def test_heads_that_cannot_work_are_refused_with_the_reason(
 
 @pytest.mark.slow
 def test_train_head_writes_an_eagle3_head_the_engine_drafts_with(bigram_target, tmp_path):
-    """Here of two layers (`--head-layers 2`): the file vLLM reads, and drafts the engine runs."""
+    """Here of two layers whose residual starts normed (`--head-layers 2 --norm-before-residual`):
+    the file vLLM reads, and drafts the engine runs."""
     from drafting.training.trainer import TrainConfig, train_head
 
     data = write_jsonl(tmp_path / "data.jsonl", 60)
@@ -321,13 +322,14 @@ def test_train_head_writes_an_eagle3_head_the_engine_drafts_with(bigram_target, 
         draft_vocab_size=64,
         unroll_steps=2,
         head_layers=2,
+        norm_before_residual=True,
         eval_conversations=2,
         eval_max_tokens=8,
     )
     folder = train_head(config)
     written = json.loads((folder / "config.json").read_text())
     assert written["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert written["num_hidden_layers"] == 2
+    assert written["num_hidden_layers"] == 2 and written["norm_before_residual"] is True
     assert set(load_file(str(folder / "model.safetensors"))) >= UPPER_LAYER_KEYS
     head = load(folder, bigram_target)
     assert len(head.draft_vocab) == 64 and head.num_layers == 2

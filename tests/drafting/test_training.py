@@ -100,6 +100,8 @@ def test_flags_that_do_not_fit_the_head_are_refused(tmp_path):
         TrainConfig("m", data, tmp_path, head_layers=2)  # EAGLE-1/2 heads have one layer
     with pytest.raises(AerieError, match="head-layers"):
         TrainConfig("m", data, tmp_path, arch="eagle3", head_layers=0)
+    with pytest.raises(AerieError, match="norm-before-residual"):
+        TrainConfig("m", data, tmp_path, norm_before_residual=True)
 
 
 def test_feature_layers_flag_reads_comma_separated_layers(tmp_path, monkeypatch):
