@@ -141,7 +141,9 @@ def _adopt_seed(config: CampaignConfig, out: Path, curve: list[dict]) -> list[di
 
 def _distilled(config: CampaignConfig, out: Path, conversations: int) -> Path:
     """OUT/distilled.jsonl holding at least `conversations` records: the seed's first, in its
-    order, when the file is new, so a seeded round reads exactly the records it was trained on."""
+    order, when the file is new, so a seeded round reads exactly the records it was trained on.
+    Only first turns whose prompt and answer fit the training's tokens per conversation are
+    answered: training cuts the rest, and their long prompts cost most of the prefill."""
     data = out / "distilled.jsonl"
     if config.distilled_seed is not None and not data.exists():
         with open_text(config.distilled_seed) as seed, data.open("w") as copy:
@@ -152,6 +154,7 @@ def _distilled(config: CampaignConfig, out: Path, conversations: int) -> Path:
             config.data,
             data,
             max_conversations=conversations,
+            max_context_tokens=config.train.get("max_tokens", TrainConfig.max_tokens),
             max_tokens=config.max_tokens,
             max_turns=config.distil_turns,
             sampled_share=config.sampled_share,

@@ -185,6 +185,25 @@ def test_a_seeded_distillation_keeps_the_committed_answers_and_answers_the_rest(
         assert record["messages"][-1]["content"] != "not the target's answer"
 
 
+def test_the_campaign_answers_only_first_turns_that_training_reads_whole(
+    bigram_target, tmp_path, random_head, monkeypatch
+):
+    monkeypatch.setattr(campaign, "shipped_head", lambda target: random_head)
+    source = write_multi_turn(tmp_path / "source.jsonl", [1] * 6)
+    lines = source.read_text().splitlines()
+    long = json.loads(lines[2])
+    long["messages"][1]["content"] = "a very long question " * 40  # over 128 tokens
+    lines[2] = json.dumps(long)
+    source.write_text("\n".join(lines) + "\n")
+    config = campaign_config(bigram_target, tmp_path, source, self_distil=True)
+    records = [json.loads(line) for line in campaign._distilled(config, tmp_path, 4).open()]
+
+    assert sorted(r["source"] for r in records) == [1, 3, 4, 5]  # 0 is held out, 2 too long
+    tokenizer = AutoTokenizer.from_pretrained(bigram_target)
+    for record in records:  # prompt and answer within the training's 128 tokens
+        assert len(tokenizer.apply_chat_template(record["messages"])) <= 128
+
+
 def test_the_campaigns_answers_are_committed_after_the_committed_ones_when_more(tmp_path):
     committed = tmp_path / "answers.jsonl.gz"
     distilled = tmp_path / "distilled.jsonl"
