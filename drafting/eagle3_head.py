@@ -34,6 +34,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 _REQUIRED_CONFIG_KEYS = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 # fields of EAGLE-3 variants that vLLM computes and this head does not: refused, never ignored
 _UNSUPPORTED_VARIANTS = ("norm_before_fc", "fc_norm", "norm_output")
+_TOP_LEVEL = ("fc.", "embed_tokens.", "norm.", "lm_head.", "d2t")  # outside any decoder layer
 
 
 def default_feature_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -61,9 +62,8 @@ class Eagle3Spec:
     qkv_bias: bool
     norm_before_residual: bool  # the residual is the normed feature (some SpecForge heads)
     has_embedding: bool
-    num_layers: int = (
-        1  # decoder layers: the first reads [embedding ; feature], the rest its output
-    )
+    # decoder layers: the first reads [embedding ; feature], each later one the layer below
+    num_layers: int = 1
 
     @classmethod
     def from_config(cls, config: dict, weights: dict, target: ModelSpec, folder) -> Eagle3Spec:
@@ -281,9 +281,6 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, rope: dict, dtype: torch.dt
     t2d[head.draft_vocab.cpu()] = True
     tensors["t2d"] = t2d
     write_head_files(folder, {**spec.config(), **rope}, tensors, dtype)
-
-
-_TOP_LEVEL = ("fc.", "embed_tokens.", "norm.", "lm_head.", "d2t")
 
 
 def _module_name(checkpoint_name: str) -> str:
