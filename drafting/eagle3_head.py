@@ -62,6 +62,7 @@ class Eagle3Spec:
     qkv_bias: bool
     norm_before_residual: bool  # the residual is the normed feature (some SpecForge heads)
     has_embedding: bool
+    o_bias: bool = False  # vLLM gives o_proj a bias too where the config says attention_bias
     # decoder layers: the first reads [embedding ; feature], each later one the layer below
     num_layers: int = 1
 
@@ -94,6 +95,7 @@ class Eagle3Spec:
             feature_layers=tuple(layers),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             qkv_bias=any(_module_name(k) == "self_attn.q_proj.bias" for k in weights),
+            o_bias=any(_module_name(k) == "self_attn.o_proj.bias" for k in weights),
             norm_before_residual=bool(config.get("norm_before_residual", False)),
             has_embedding="embed_tokens.weight" in weights,
             num_layers=num_layers,
@@ -141,6 +143,7 @@ class Eagle3Spec:
             max_position_embeddings=0,
             tie_word_embeddings=False,
             qkv_bias=self.qkv_bias,
+            o_bias=self.o_bias,
         )
 
     def config(self) -> dict:
@@ -162,9 +165,9 @@ class Eagle3Spec:
                 "eagle_aux_hidden_state_layer_ids": list(self.feature_layers),
             },
             "rms_norm_eps": self.rms_norm_eps,
-            # vLLM builds the q/k/v biases and picks the residual from these fields, not from
-            # the weights present
-            "attention_bias": self.qkv_bias,
+            # vLLM builds the q/k/v and o_proj biases and picks the residual from these fields,
+            # not from the weights present (save_eagle3_head writes any bias absent as zeros)
+            "attention_bias": self.qkv_bias or self.o_bias,
             "norm_before_residual": self.norm_before_residual,
             "hidden_act": "silu",
             "tie_word_embeddings": False,
@@ -199,6 +202,7 @@ class Eagle3Head(HeadLayers):
             spec.num_kv_heads,
             spec.head_dim,
             qkv_bias=spec.qkv_bias,
+            o_bias=spec.o_bias,
             input_size=2 * h,
         )
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
@@ -277,10 +281,22 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, rope: dict, dtype: torch.dt
     )
     state = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
     tensors = unfused(state, sizes, _checkpoint_name)
+    if spec.qkv_bias or spec.o_bias:
+        tensors |= _zero_biases_vllm_expects(spec, tensors)
     t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
     t2d[head.draft_vocab.cpu()] = True
     tensors["t2d"] = t2d
     write_head_files(folder, {**spec.config(), **rope}, tensors, dtype)
+
+
+def _zero_biases_vllm_expects(spec: Eagle3Spec, tensors: dict) -> dict[str, torch.Tensor]:
+    """Zeros for the q/k/v or o_proj biases a head lacks while having the others: one
+    `attention_bias` gives vLLM all four, so the file then means what Aerie computes."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": spec.hidden_size}
+    layers = ["midlayer."] + [f"layers.{n}." for n in range(1, spec.num_layers)]
+    names = (f"{layer}self_attn.{proj}.bias" for layer in layers for proj in sizes)
+    return {name: torch.zeros(sizes[name.split(".")[-2]]) for name in names if name not in tensors}
 
 
 def _module_name(checkpoint_name: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -140,17 +141,32 @@ def reference_head(tensors: dict, config: dict, ids, aux, embedding) -> torch.Te
 def reference_attention(w: dict, x: torch.Tensor, heads: int, kv_heads: int = 2) -> torch.Tensor:
     """Causal grouped-query attention of one layer's weights `w` over x [T, in] -> [T, hidden]."""
     length = len(x)
-    q = (x @ w["self_attn.q_proj.weight"].T).view(length, heads, -1).transpose(0, 1)
-    k = (x @ w["self_attn.k_proj.weight"].T).view(length, kv_heads, -1).transpose(0, 1)
-    v = (x @ w["self_attn.v_proj.weight"].T).view(length, kv_heads, -1).transpose(0, 1)
+
+    def project(name, x):  # with the layer's bias, where it has one
+        return F.linear(x, w[f"self_attn.{name}.weight"], w.get(f"self_attn.{name}.bias"))
+
+    q = project("q_proj", x).view(length, heads, -1).transpose(0, 1)
+    k = project("k_proj", x).view(length, kv_heads, -1).transpose(0, 1)
+    v = project("v_proj", x).view(length, kv_heads, -1).transpose(0, 1)
     k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
     attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [heads, T, D]
-    return attended.transpose(0, 1).reshape(length, -1) @ w["self_attn.o_proj.weight"].T
+    return project("o_proj", attended.transpose(0, 1).reshape(length, -1))
 
 
+def with_attention_biases(weights: dict) -> None:
+    """q/k/v and o_proj biases in every layer, as vLLM builds them for `attention_bias`."""
+    layers = {k.split("self_attn.")[0] for k in weights if "self_attn." in k}
+    for layer in layers:
+        for part, size in (("q", 64), ("k", 32), ("v", 32), ("o", 64)):
+            weights[f"{layer}self_attn.{part}_proj.bias"] = torch.randn(size)
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["", "attention-biases"])
 @pytest.mark.parametrize("folder", ["random_eagle3_head", "random_two_layer_eagle3_head"])
-def test_the_layers_compute_what_the_format_means(bigram_target, folder, request):
+def test_the_layers_compute_what_the_format_means(bigram_target, folder, biases, request, tmp_path):
     folder = request.getfixturevalue(folder)
+    if biases:
+        folder = edit(folder, tmp_path, weights=with_attention_biases)
     head = load(folder, bigram_target)
     tensors = load_file(str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
@@ -229,28 +245,43 @@ def test_written_heads_load_back_identical(bigram_target, folder, tmp_path, requ
 
 
 def test_rewritten_heads_keep_biases_and_the_residual_choice_in_the_fields_vllm_reads(
-    bigram_target, random_eagle3_head, tmp_path
+    bigram_target, random_two_layer_eagle3_head, tmp_path
 ):
+    """q/k/v biases alone (a Qwen2-style layer) are written with a zero o_proj bias beside them:
+    vLLM builds all four from one `attention_bias`, and must read what Aerie computes."""
     from drafting.head_loader import save_head
 
-    def add_biases(weights):
-        for part, size in (("q", 64), ("k", 32), ("v", 32)):
-            weights[f"midlayer.self_attn.{part}_proj.bias"] = torch.randn(size)
+    def add_qkv_biases(weights):
+        with_attention_biases(weights)
+        for layer in ("midlayer.", "layers.1."):
+            weights.pop(f"{layer}self_attn.o_proj.bias")
 
     variant = edit(
-        random_eagle3_head,
+        random_two_layer_eagle3_head,
         tmp_path,
-        weights=add_biases,
+        weights=add_qkv_biases,
         config=lambda c: c.update(norm_before_residual=True),
     )
     head = load(variant, bigram_target)
     copy = save_head(head, tmp_path / "copy", {"rope_theta": 10000.0}, torch.float32)
     config = json.loads((copy / "config.json").read_text())
     assert config["attention_bias"] is True and config["norm_before_residual"] is True
+    tensors = load_file(str(copy / "model.safetensors"))
+    for layer in ("midlayer.", "layers.1."):
+        assert tensors[f"{layer}self_attn.q_proj.bias"].abs().sum() > 0
+        assert torch.equal(tensors[f"{layer}self_attn.o_proj.bias"], torch.zeros(64))
     again = load(copy, bigram_target)
-    assert again.spec == head.spec
-    for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items()):
-        assert torch.equal(a, b), name
+    assert again.spec == replace(head.spec, o_bias=True)
+    rows = (torch.tensor([5, 9, 17]), torch.randn(3, 3 * 64), torch.zeros(3, dtype=torch.long))
+    meta = build_attention_metadata([SequenceAttention([0], 0, 3)], 8, torch.device("cpu"))
+    embedding = torch.nn.Embedding(256, 64)
+
+    def run(model):
+        kv_layers = [(torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)) for _ in range(2)]
+        return model(*rows, kv_layers, meta, embedding)
+
+    with torch.no_grad():
+        torch.testing.assert_close(run(head), run(again))
 
 
 def test_heads_naming_the_first_layer_layers_0_load_as_vllm_loads_them(
