@@ -72,7 +72,7 @@ class TrainConfig:
     # --init-head's deepened by layers that start as the identity (None: its own)
     head_layers: int | None = None
     # EAGLE-3: a new head's residual stream starts from its normed feature (the format's
-    # norm_before_residual), not the raw projection, whose few huge target dims dwarf the layers'
+    # norm_before_residual), not from fc's raw projection
     norm_before_residual: bool = False
     # the regression to the target's next state (EAGLE-3: of the head's normed output); None: the
     # format's own (objective.default_feature_weight)
