@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from drafting.head_loader import load_head
 from engine import LLM, SamplingParams
+from engine.core.kv_cache import KVCache
 from engine.errors import ModelLoadError
 from engine.execution.layers.paged_attention import SequenceAttention, build_attention_metadata
 from engine.execution.model_files import load_config
@@ -44,6 +45,15 @@ PUBLISHED_KEYS = {
 def load(head, target):
     spec = ModelSpec.from_hf_config(load_config(target))
     return load_head(head, spec, 512, torch.device("cpu"), torch.float32)
+
+
+def run_in_one_block(head, ids, aux, positions, embedding):
+    """The head's output for the rows of one sequence written into an empty 8-slot block, and the
+    K/V layers it wrote."""
+    cpu = torch.device("cpu")
+    cache = KVCache(list(head.kv_layer_shapes), 1, 8, torch.float32, cpu)
+    meta = build_attention_metadata([SequenceAttention([0], 0, len(ids))], 8, cpu)
+    return head(ids, aux, positions, cache.layers, meta, embedding), cache.layers
 
 
 def edit(folder, tmp_path, weights=None, config=None):
@@ -173,12 +183,8 @@ def test_the_layers_compute_what_the_format_means(bigram_target, folder, biases,
     embedding = torch.nn.Embedding(256, 64)
     ids, aux = torch.tensor([5, 9, 17, 30]), torch.randn(4, 3 * 64)
     positions = torch.zeros(4, dtype=torch.long)  # rotary is the identity at position 0
-    kv_layers = [
-        (torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)) for _ in range(head.num_layers)
-    ]
-    meta = build_attention_metadata([SequenceAttention([0], 0, 4)], 8, torch.device("cpu"))
     with torch.no_grad():
-        ours = head(ids, aux, positions, kv_layers, meta, embedding)
+        ours, kv_layers = run_in_one_block(head, ids, aux, positions, embedding)
         expected = reference_head(tensors, config, ids, aux, embedding)
         assert torch.allclose(ours, expected, atol=1e-4)
         logits = head.draft_logits(ours)  # [T, V_draft]: lm_head over norm(output)
@@ -219,15 +225,12 @@ def test_a_deepened_head_drafts_as_the_head_it_grew_from(
     deeper = deepened(head, 3)
     assert deeper.num_layers == 3 and deeper.draft_vocab.equal(head.draft_vocab)
     embedding = torch.nn.Embedding(256, 64)
-    ids, aux, positions = torch.tensor([5, 9, 17, 30]), torch.randn(4, 3 * 64), torch.arange(4)
-    meta = build_attention_metadata([SequenceAttention([0], 0, 4)], 8, torch.device("cpu"))
-
-    def run(model):
-        kv_layers = [(torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)) for _ in range(3)]
-        return model(ids, aux, positions, kv_layers, meta, embedding)
-
+    rows = (torch.tensor([5, 9, 17, 30]), torch.randn(4, 3 * 64), torch.arange(4))
     with torch.no_grad():
-        torch.testing.assert_close(run(deeper), run(head))
+        torch.testing.assert_close(
+            run_in_one_block(deeper, *rows, embedding)[0],
+            run_in_one_block(head, *rows, embedding)[0],
+        )
     written = save_head(deeper, tmp_path / "deeper", {"rope_theta": 10000.0}, torch.float32)
     assert json.loads((written / "config.json").read_text())["num_hidden_layers"] == 3
     assert load(written, bigram_target).num_layers == 3
@@ -273,15 +276,12 @@ def test_rewritten_heads_keep_biases_and_the_residual_choice_in_the_fields_vllm_
     again = load(copy, bigram_target)
     assert again.spec == replace(head.spec, o_bias=True)
     rows = (torch.tensor([5, 9, 17]), torch.randn(3, 3 * 64), torch.zeros(3, dtype=torch.long))
-    meta = build_attention_metadata([SequenceAttention([0], 0, 3)], 8, torch.device("cpu"))
     embedding = torch.nn.Embedding(256, 64)
-
-    def run(model):
-        kv_layers = [(torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)) for _ in range(2)]
-        return model(*rows, kv_layers, meta, embedding)
-
     with torch.no_grad():
-        torch.testing.assert_close(run(head), run(again))
+        torch.testing.assert_close(
+            run_in_one_block(head, *rows, embedding)[0],
+            run_in_one_block(again, *rows, embedding)[0],
+        )
 
 
 def test_heads_naming_the_first_layer_layers_0_load_as_vllm_loads_them(
