@@ -40,7 +40,6 @@ from drafting.training.features import target_features
 from drafting.training.objective import TrainingExample, head_losses
 from engine.errors import AerieError
 from engine.execution.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
-from engine.execution.models.decoder import DecoderModel
 from engine.llm import LLM
 from engine.sampling.sampling_params import SamplingParams
 
@@ -75,9 +74,6 @@ class TrainConfig:
     # EAGLE-3: a new head's residual stream starts from its normed feature (the format's
     # norm_before_residual), not from fc's raw projection
     norm_before_residual: bool = False
-    # EAGLE-3: a new head's layer starts as the target's last decoder layer (reading fc's copy of
-    # the highest feature; the token's embedding through the target's first layer's q/k/v)
-    layer_from_target: bool = False
     # the regression to the target's next state (EAGLE-3: of the head's normed output); None: the
     # format's own (objective.default_feature_weight)
     feature_weight: float | None = None
@@ -119,10 +115,6 @@ class TrainConfig:
         if self.norm_before_residual and (self.arch != "eagle3" or self.init_head):
             raise AerieError(
                 "--norm-before-residual shapes a new EAGLE-3 head (--arch eagle3, no --init-head)"
-            )
-        if self.layer_from_target and (self.arch != "eagle3" or self.init_head):
-            raise AerieError(
-                "--layer-from-target shapes a new EAGLE-3 head (--arch eagle3, no --init-head)"
             )
         if (self.head_layers or 1) > 1 and self.arch != "eagle3":
             raise AerieError("--head-layers is for --arch eagle3 (EAGLE-1/2 heads have one layer)")
@@ -362,8 +354,6 @@ class HeadTrainer:
             head.lm_head.weight.copy_(self.target.lm_head.weight[vocab])
             head.norm.weight.copy_(self.target.norm.weight)
         head.d2t.copy_(vocab - torch.arange(len(vocab)))
-        if self.config.layer_from_target:
-            _copy_target_layers(head, self.target)
         return head
 
     def _widened(self, spec):
@@ -437,24 +427,6 @@ class HeadTrainer:
     def _log(self, record: dict) -> None:
         with (self.out / "train_log.jsonl").open("a") as log:
             log.write(json.dumps(record) + "\n")
-
-
-@torch.no_grad()
-def _copy_target_layers(head: Eagle3Head, target: DecoderModel) -> None:
-    """Start `head`'s first layer as the target's last one: fc passes the highest feature through,
-    hidden_norm and the feature half of q/k/v are that layer's input norm and projections, and the
-    embedding half reads as the target's first layer reads its embeddings."""
-    first, last, h = target.layers[0], target.layers[-1], target.spec.hidden_size
-    head.fc.weight.zero_()
-    head.fc.weight[:, -h:].copy_(torch.eye(h))  # [H, 3H]: the highest feature, unchanged
-    head.input_layernorm.weight.copy_(first.input_layernorm.weight)
-    head.hidden_norm.weight.copy_(last.input_layernorm.weight)
-    qkv = head.self_attn.qkv_proj.weight  # [qkv, 2H]: [embedding ; feature] columns
-    qkv[:, :h].copy_(first.self_attn.qkv_proj.weight)
-    qkv[:, h:].copy_(last.self_attn.qkv_proj.weight)
-    head.self_attn.o_proj.load_state_dict(last.self_attn.o_proj.state_dict())
-    head.post_attention_layernorm.load_state_dict(last.post_attention_layernorm.state_dict())
-    head.mlp.load_state_dict(last.mlp.state_dict())
 
 
 def training_feature_layers(num_layers: int) -> tuple[int, ...]:
