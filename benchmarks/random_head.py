@@ -1,6 +1,7 @@
-"""A useless draft head for the benchmarks: the shipped head's files with every floating-point weight
-redrawn at random (same shapes, dtype and scale), so its drafts are essentially never accepted. Imported by
-the scripts beside it, which run from the repository root as `python benchmarks/bench_*.py`."""
+"""A useless draft head for the benchmarks: the shipped head's files with every floating-point
+weight redrawn at random (same shapes, dtype and scale), so its drafts are essentially never
+accepted. Imported by the scripts beside it, which run from the repository root as
+`python benchmarks/bench_*.py`."""
 
 from __future__ import annotations
 
