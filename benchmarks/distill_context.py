@@ -7,13 +7,14 @@ limits, this counts the records kept, the prompt tokens their prefill costs, and
 training then reads (an answer's tokens before the training limit). Results go to
 benchmarks/results/distill_context.json. From the repository root (about a minute):
 
-    .venv/bin/python benchmarks/distill_context.py
+    .venv/bin/python benchmarks/distill_context.py [--max-records 7000]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from itertools import islice
 from pathlib import Path
 
 from head_training import machine_name
@@ -31,13 +32,14 @@ def main() -> None:
     parser.add_argument(
         "--data", type=Path, default=REPO_ROOT / "benchmarks/data/distilled_first_turns.jsonl.gz"
     )
+    parser.add_argument("--max-records", type=int, help="read only the file's first N records")
     parser.add_argument("--train-tokens", type=int, default=1024, help="train-head --max-tokens")
     parser.add_argument("--answer-tokens", type=int, default=160, help="the longest answer")
     parser.add_argument(
         "--out", type=Path, default=REPO_ROOT / "benchmarks/results/distill_context.json"
     )
     args = parser.parse_args()
-    lengths = prompt_and_answer_lengths(args.data)
+    lengths = prompt_and_answer_lengths(args.data, args.max_records)
     rows = {limit: kept(lengths, limit - args.answer_tokens, args.train_tokens) for limit in LIMITS}
     args.out.write_text(
         json.dumps(
@@ -61,12 +63,13 @@ def main() -> None:
         )
 
 
-def prompt_and_answer_lengths(path: Path) -> list[tuple[int, int]]:
+def prompt_and_answer_lengths(path: Path, max_records: int | None) -> list[tuple[int, int]]:
     """(prompt tokens with the generation prompt, answer tokens) of each record's first turn."""
     tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
     lengths = []
     with open_text(path) as file:
-        for line in tqdm(file, desc="records", unit="record", mininterval=5):
+        records = islice(file, max_records)
+        for line in tqdm(records, desc="records", unit="record", mininterval=5):
             messages = json.loads(line)["messages"]
             answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
             prompt = tokenizer.apply_chat_template(
