@@ -14,17 +14,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from itertools import islice
 from pathlib import Path
+from typing import NamedTuple
 
 from head_training import machine_name
 from tqdm import tqdm
 
-from drafting.training.data import open_text
+from drafting.training.data import open_text, tokenize_conversation
 from engine.execution.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LIMITS = (512, 768, 1024, 1536, 2048)
+
+
+class Counts(NamedTuple):
+    prompt: int  # tokens before the answer, the generation prompt included
+    answer: int  # the answer's tokens, its end-of-turn included
+    answer_read: int  # of those, within the tokens training reads
 
 
 def main() -> None:
@@ -39,14 +47,14 @@ def main() -> None:
         "--out", type=Path, default=REPO_ROOT / "benchmarks/results/distill_context.json"
     )
     args = parser.parse_args()
-    lengths = prompt_and_answer_lengths(args.data, args.max_records)
-    rows = {limit: kept(lengths, limit - args.answer_tokens, args.train_tokens) for limit in LIMITS}
+    counts = token_counts(args.data, args.max_records, args.train_tokens)
+    rows = {limit: kept(counts, limit - args.answer_tokens) for limit in LIMITS}
     args.out.write_text(
         json.dumps(
             {
                 "machine": machine_name(),
                 "data": str(args.data.relative_to(REPO_ROOT)),
-                "records": len(lengths),
+                "records": len(counts),
                 "train_tokens": args.train_tokens,
                 "answer_tokens": args.answer_tokens,
                 "by_distill_limit": rows,
@@ -63,34 +71,31 @@ def main() -> None:
         )
 
 
-def prompt_and_answer_lengths(path: Path, max_records: int | None) -> list[tuple[int, int]]:
-    """(prompt tokens with the generation prompt, answer tokens) of each record's first turn."""
+def token_counts(path: Path, max_records: int | None, train_tokens: int) -> list[Counts]:
+    """Each record's prompt and answer tokens, and the answer tokens training reads: its loss
+    mask within the first `train_tokens` (`tokenize_conversation`, as training tokenizes)."""
     tokenizer = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
-    lengths = []
+    counts = []
     with open_text(path) as file:
         records = islice(file, max_records)
         for line in tqdm(records, desc="records", unit="record", mininterval=5):
-            messages = json.loads(line)["messages"]
-            answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            prompt = tokenizer.apply_chat_template(
-                messages[:answer], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-            answer_ids = tokenizer(messages[answer]["content"], add_special_tokens=False)
-            lengths.append((len(prompt), len(answer_ids["input_ids"])))
-    return lengths
+            whole = tokenize_conversation(tokenizer, json.loads(line)["messages"], sys.maxsize)
+            mask = whole.loss_mask
+            counts.append(Counts(mask.index(True), sum(mask), sum(mask[:train_tokens])))
+    return counts
 
 
-def kept(lengths: list[tuple[int, int]], max_prompt: int, train_tokens: int) -> dict:
+def kept(counts: list[Counts], max_prompt: int) -> dict:
     """Shares of the records, of their prompt tokens and of the answer tokens training reads,
     when only prompts of at most `max_prompt` tokens are answered."""
-    read = [max(0, min(a, train_tokens - p)) for p, a in lengths]
-    chosen = [i for i, (p, _) in enumerate(lengths) if p <= max_prompt]
-    prompt_tokens = sum(lengths[i][0] for i in chosen)
+    chosen = [c for c in counts if c.prompt <= max_prompt]
+    prompt_tokens = sum(c.prompt for c in chosen)
+    answers_read = sum(c.answer_read for c in chosen)
     return {
-        "records": len(chosen) / len(lengths),
-        "prompt_tokens": prompt_tokens / sum(p for p, _ in lengths),
-        "answer_tokens_read": sum(read[i] for i in chosen) / sum(a for _, a in lengths),
-        "answers_read_per_prompt_token": sum(read[i] for i in chosen) / prompt_tokens,
+        "records": len(chosen) / len(counts),
+        "prompt_tokens": prompt_tokens / sum(c.prompt for c in counts),
+        "answer_tokens_read": answers_read / sum(c.answer for c in counts),
+        "answers_read_per_prompt_token": answers_read / prompt_tokens,
     }
 
 
