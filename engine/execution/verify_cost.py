@@ -7,7 +7,10 @@ powers of two up to the largest pass the scheduler can build; and the lm_head al
 weights a few rows cost about what one does). The draft budget (engine/spec/draft_budget.py) weighs
 extra draft tokens against them. A busy machine can fool a start-up measurement, so LiveVerifyCost
 prefers what the engine's own passes take: per measured point, the median of its recent live
-passes once there are a few, the start-up value scaled by the median live ratio until then.
+passes once there are a few, the start-up value scaled by the median live ratio until then. A
+point's live passes expire after `_LIVE_HORIZON` passes of any size: a pass size the budget stopped
+choosing because a noisy stretch made it look dear is otherwise never measured again, and the
+budget never chooses it again.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class VerifyCost:
 
 _LIVE_WINDOW = 16  # live passes kept per measured point
 _MIN_LIVE = 3  # live passes a point needs before they replace its start-up value
+_LIVE_HORIZON = 256  # passes of any size after which a point's live pass no longer counts
 
 
 class LiveVerifyCost:
@@ -56,7 +60,9 @@ class LiveVerifyCost:
     def __init__(self, startup: VerifyCost, learn: bool = True) -> None:
         self.startup = startup
         self.learn = learn  # False: `startup` as given (to fix the costs a test or benchmark sets)
-        self.windows = [deque(maxlen=_LIVE_WINDOW) for _ in startup.num_tokens]  # seconds
+        # per point: (the pass's number, its seconds moved to the point)
+        self.windows = [deque(maxlen=_LIVE_WINDOW) for _ in startup.num_tokens]
+        self.num_passes = 0
         self.ratios: deque[float] = deque(maxlen=2 * _LIVE_WINDOW)  # live / start-up, any size
         self._points: np.ndarray | None = None  # corrected seconds at startup.num_tokens
         self._log_points = [math.log2(n) for n in startup.num_tokens]
@@ -71,23 +77,26 @@ class LiveVerifyCost:
         log scale), moved there along the start-up curve."""
         if not self.learn:
             return
+        self.num_passes += 1
         predicted = max(self.startup(num_tokens), 1e-9)
         self.ratios.append(seconds / predicted)
         log = math.log2(max(num_tokens, 1))
         nearest = min(range(len(self._log_points)), key=lambda i: abs(self._log_points[i] - log))
         point = self.startup.num_tokens[nearest]
-        self.windows[nearest].append(seconds * self.startup(point) / predicted)
+        self.windows[nearest].append((self.num_passes, seconds * self.startup(point) / predicted))
         self._points = None
 
     def __call__(self, num_tokens):
         """Seconds for a pass of `num_tokens` tokens (a number or an array), piecewise linear
         through the corrected points, never less for more tokens."""
         if self._points is None:
-            scale = self.scale
-            points = [
-                statistics.median(window) if len(window) >= _MIN_LIVE else startup * scale
-                for window, startup in zip(self.windows, self.startup.seconds)
-            ]
+            scale, oldest = self.scale, self.num_passes - _LIVE_HORIZON
+            points = []
+            for window, startup in zip(self.windows, self.startup.seconds):
+                recent = [seconds for number, seconds in window if number > oldest]
+                points.append(
+                    statistics.median(recent) if len(recent) >= _MIN_LIVE else startup * scale
+                )
             self._points = np.maximum.accumulate(points)
         return _piecewise_linear(self.startup.num_tokens, tuple(self._points), num_tokens)
 

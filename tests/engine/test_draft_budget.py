@@ -126,6 +126,23 @@ def test_live_passes_replace_a_start_up_measurement_a_busy_machine_fooled():
     assert live([1, 8]).tolist() == pytest.approx([0.032, 0.046])
 
 
+def test_a_pass_size_no_longer_chosen_forgets_a_noisy_stretch():
+    """A burst of other work made 4-token passes look dear, so the budget stopped choosing them
+    and no live pass measured them again; once their passes are old, the start-up shape scaled
+    by the recent plain passes prices them again, and the budget verifies drafts again."""
+    cost = VerifyCost((1, 2, 4, 8), (0.032, 0.034, 0.038, 0.046))  # 30 ms + 2 ms a token
+    budget = DraftBudget(cost)
+    for _ in range(16):
+        budget.observe_verify(4, 0.300)  # ten times what a 4-token pass takes
+    for _ in range(16):
+        budget.observe_verify(1, 0.032)
+    assert budget.allocate(values([0.9, 0.8, 0.7]), 1) == [0]  # verifying looks ruinous
+    for _ in range(256):  # plain passes only: the dear ones age out
+        budget.observe_verify(1, 0.032)
+    assert budget.pass_cost(4) == pytest.approx(cost(4), rel=0.01)
+    assert budget.allocate(values([0.9, 0.8, 0.7]), 1) == [3]
+
+
 def test_a_fixed_cost_does_not_learn():
     cost = VerifyCost((1, 8), (1.0, 2.0))
     fixed = LiveVerifyCost(cost, learn=False)
