@@ -14,7 +14,6 @@ repository root:
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,11 +21,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafting.head_format import rope_fields
 from drafting.head_loader import load_head, save_head
 from engine.execution.model_files import DEFAULT_MODEL, load_config, resolve_model_path
 from engine.execution.models.spec import ModelSpec
 
-ROPE_FIELDS = ("rope_theta", "rope_scaling", "max_position_embeddings")
 QKV_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
 
 
@@ -45,11 +44,12 @@ def with_qkv_biases(head: Path, out: Path, std: float, seed: int) -> None:
 
 def rewritten(source: Path, out: Path, model: str) -> Path:
     """`source` loaded by Aerie against `model` and written back by Aerie, in fp16."""
-    spec = ModelSpec.from_hf_config(load_config(resolve_model_path(model)))
-    head = load_head(source, spec, 2048, torch.device("cpu"), torch.float32)
-    config = json.loads((source / "config.json").read_text())
-    rope = {k: config[k] for k in ROPE_FIELDS if k in config}
-    return save_head(head, out, rope, torch.float16)
+    hf_config = load_config(resolve_model_path(model))
+    spec = ModelSpec.from_hf_config(hf_config)
+    head = load_head(
+        source, spec, hf_config.max_position_embeddings, torch.device("cpu"), torch.float32
+    )
+    return save_head(head, out, rope_fields(hf_config), torch.float16)
 
 
 def main() -> None:

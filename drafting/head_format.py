@@ -35,6 +35,19 @@ def read_config(folder: Path) -> dict:
     return config
 
 
+def rope_fields(hf_config) -> dict:
+    """The target's rope fields, as a head's config.json carries them (its rotary is the
+    target's)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    fields = {
+        "rope_theta": params.get("rope_theta", 10000.0),
+        "max_position_embeddings": hf_config.max_position_embeddings,
+    }
+    if params.get("rope_type", "default") != "default":
+        fields["rope_scaling"] = params
+    return fields
+
+
 def rotary_for(config: dict, head_dim: int, max_positions: int) -> RotaryEmbedding:
     """The rotary embedding a head's config describes (transformers reads its rope fields)."""
     from transformers import LlamaConfig

@@ -34,6 +34,7 @@ from drafting.eagle3_head import (
     feature_layers_fit,
 )
 from drafting.head import EagleHead, HeadSpec
+from drafting.head_format import rope_fields
 from drafting.head_loader import DraftHead, load_head, save_head
 from drafting.training.data import is_held_out, load_conversations, training_conversations
 from drafting.training.features import target_features
@@ -407,7 +408,7 @@ class HeadTrainer:
     def _evaluate(self, head: DraftHead, prompts: list[list[int]], epoch: int) -> float:
         """Save the head to OUT/last-head, and measure its acceptance length with the real
         engine on held-out prompts."""
-        rope = _rope_fields(self.hf_config)
+        rope = rope_fields(self.hf_config)
         folder = save_head(head, self.out / "last-head", rope, torch.float16)
         # whole trees every step: the head's acceptance, not what a draft budget chose to verify
         llm = LLM(
@@ -487,17 +488,6 @@ def _learning_rate(config: TrainConfig, step: int, total_steps: int) -> float:
         return config.lr * (step + 1) / config.warmup_steps
     progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _rope_fields(hf_config) -> dict:
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    fields = {
-        "rope_theta": params.get("rope_theta", 10000.0),
-        "max_position_embeddings": hf_config.max_position_embeddings,
-    }
-    if params.get("rope_type", "default") != "default":
-        fields["rope_scaling"] = params
-    return fields
 
 
 def train_head(config: TrainConfig) -> Path:
