@@ -2,7 +2,9 @@
 
 A node's value v is the draft's log-estimate that the target accepts its whole path, so
 c * exp(v) is the number of tokens it is expected to add; the calibration c (tokens accepted over
-tokens expected, measured as the engine runs) corrects an over- or under-confident head. A step
+tokens expected, measured as the engine runs) corrects an over- or under-confident head; while
+drafting steps verify nothing it drifts back toward its prior, so a head that recovers after a bad
+stretch is verified again (the calibration only learns from verified trees). A step
 of B decoding sequences and T0 scheduled tokens that verifies N nodes emits B + E(N) tokens,
 E(N) the sum of the N best values, in cost(T0 + N) + L(E(N)) seconds: the pass's cost
 (execution/verify_cost.py, start-up timings corrected by live passes) plus what the lm_head spends
@@ -26,6 +28,7 @@ import torch
 from engine.execution.verify_cost import LiveVerifyCost, VerifyCost, node_logits_with_pass
 
 _DECAY = 0.95  # weight of the past in the calibration's sums, per observation
+_PRIOR = 4.0  # tokens accepted as expected that the calibration starts from and drifts back to
 
 
 class DraftBudget:
@@ -33,9 +36,9 @@ class DraftBudget:
         self.verify_cost = verify_cost  # the start-up measurement (its lm_head part is used as is)
         # pass seconds, live passes preferred (learn=False: the start-up measurement as given)
         self.pass_cost = LiveVerifyCost(verify_cost, learn)
-        # decayed sums behind the calibration, from a prior of 4 tokens accepted as expected,
+        # decayed sums behind the calibration, from a prior of tokens accepted as expected,
         # so that one unlucky early step cannot halve it
-        self.expected, self.accepted = 4.0, 4.0
+        self.expected, self.accepted = _PRIOR, _PRIOR
 
     @property
     def calibration(self) -> float:
@@ -67,6 +70,13 @@ class DraftBudget:
         """Tokens the verified drafts were expected to add (sum of exp(value)), and added."""
         self.expected = _DECAY * self.expected + expected
         self.accepted = _DECAY * self.accepted + accepted
+
+    def observe_nothing_verified(self) -> None:
+        """A drafting step verified no node: no evidence on the head, so the calibration moves
+        one observation's weight back toward its prior. Without this a collapsed calibration
+        would keep every draft out and never learn again."""
+        self.expected = _DECAY * self.expected + (1 - _DECAY) * _PRIOR
+        self.accepted = _DECAY * self.accepted + (1 - _DECAY) * _PRIOR
 
     def _walk_seconds(self, num_accepted, num_sampled: int, num_nodes):
         """Seconds the lm_head spends on draft nodes beyond the pass's sampled rows: their rows

@@ -62,6 +62,8 @@ class DraftPolicy:
             break_even = self.controller.break_even_drafts(step.num_decoding)
             for seq, _, accepted in step.trees:
                 self.evidence.observe(seq, accepted, break_even)
+        elif self.drafted:
+            self.budget.observe_nothing_verified()
         if step.num_decoding and not step.prefilled:
             self.controller.observe(step.num_decoding, self.drafted, step.num_tokens, step.seconds)
         self.drafted = False

@@ -15,6 +15,7 @@ from engine.execution.verify_cost import (
     node_logits_with_pass,
 )
 from engine.spec.draft_budget import DraftBudget
+from engine.spec.draft_policy import DraftPolicy, StepReport
 from tests.engine.helpers import tiny_engine
 
 
@@ -97,6 +98,31 @@ def test_an_overconfident_head_is_calibrated_down():
         budget.observe_acceptance(expected=2.0, accepted=0)  # the drafts are never right
     assert budget.calibration < 0.1
     assert budget.allocate(confident, 2) == [0, 0]
+
+
+def test_a_collapsed_calibration_recovers_while_drafting_steps_verify_nothing():
+    """A bad stretch drove the calibration to its floor, so the budget keeps every draft out and
+    no verified tree can raise it again. Drafting steps that verify nothing let it drift back
+    toward its prior, and confident drafts are verified again."""
+    policy = DraftPolicy(DraftBudget(linear_cost(1.0, 0.1)))
+    confident = values([0.9, 0.8, 0.6], [0.7, 0.5, 0.3])
+    for _ in range(100):
+        policy.budget.observe_acceptance(expected=2.0, accepted=0)
+    assert policy.budget.allocate(confident, 2) == [0, 0]
+    unverified = StepReport(
+        seconds=1.2,
+        pass_seconds=1.1,
+        num_pass_tokens=2,
+        num_decoding=2,
+        prefilled=False,
+        num_tokens=2,
+        trees=[],
+    )
+    for _ in range(100):
+        policy.drafted = True
+        policy.observe_step(unverified)
+    assert policy.budget.calibration > 0.9
+    assert policy.budget.allocate(confident, 2) == [3, 2]
 
 
 def test_measured_cost_grows_with_the_pass(generation_model):
