@@ -5,12 +5,14 @@ reasoning) decodes ``--max-tokens`` tokens (EOS ignored) through Aerie without a
 with one (the draft controller on, as `aerie serve` runs it), greedy and at temperature 0.7
 (seeded: both engines emit the same tokens). The two take turns per prompt, the order flipping
 from one prompt to the next, so the machine's drift hits both alike. Reported per set,
-temperature and category: each engine's tokens/s, speculation's ratio to AR (AR's seconds over
+temperature and category (and, for the dev set, source: its ShareGPT prompts come from the
+slice head training holds out): each engine's tokens/s, speculation's ratio to AR (AR's seconds over
 its own, for the same tokens) and the tokens per decode step. Writes ``speedup.json``
 (``speedup_TAG.json`` with ``--tag``) and its plot to ``--out-dir``. From the repository root:
 
     .venv/bin/python benchmarks/bench_speedup.py                       # ~42 minutes
     .venv/bin/python benchmarks/bench_speedup.py --head PATH --tag round-5
+    .venv/bin/python benchmarks/bench_speedup.py --resummarize RESULT.json   # no engine run
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ PROMPT_SETS = {"mt-bench": DATA / "mt_bench_questions.jsonl", "dev-set": DATA / 
 
 def main() -> None:
     args = parse_args()
+    if args.resummarize:
+        resummarize(args.resummarize)
+        return
     engines = {
         name: LLM(DEFAULT_MODEL, draft=draft, kv_cache_memory_gib=0.3)
         for name, draft in (("ar", None), ("eagle", args.head))
@@ -62,9 +67,30 @@ def main() -> None:
         "prompts": rows,
     }
     stem = f"speedup_{args.tag}" if args.tag else "speedup"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result["summary"], args.out_dir / f"{stem}.png")
+    write_result(result, args.out_dir / f"{stem}.json")
+
+
+def write_result(result: dict, path: Path) -> None:
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result["summary"], path.with_suffix(".png"))
     print_summary(result["summary"])
+
+
+def resummarize(path: Path) -> None:
+    """Recompute a result file's summary from its per-prompt rows (the prompts' sources joined
+    from the sets' files, for results written before rows carried them), and its plot."""
+    result = json.loads(path.read_text())
+    sources = {
+        (set_name, r["prompt"]): r["source"]
+        for set_name, set_path in PROMPT_SETS.items()
+        for r in read_prompts(set_path)
+        if "source" in r
+    }
+    for row in result["prompts"]:
+        if (row["set"], row["prompt"]) in sources:
+            row["source"] = sources[row["set"], row["prompt"]]
+    result["summary"] = summarize(result["prompts"])
+    write_result(result, path)
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,6 +102,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tag", default="", help="write speedup_TAG.json")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument(
+        "--resummarize", type=Path, default=None, help="rewrite a result file's summary and plot"
+    )
     args = parser.parse_args()
     unknown = set(args.sets.split(",")) - set(PROMPT_SETS)
     if unknown:
@@ -84,10 +113,15 @@ def parse_args() -> argparse.Namespace:
 
 
 def read_prompts(path: Path) -> list[dict]:
-    """{"prompt", "category"} per line: the dev set's records, or MT-bench's first turns."""
+    """{"prompt", "category"[, "source"]} per line: the dev set's records (with their source),
+    or MT-bench's first turns."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [
-        {"prompt": r["prompt"] if "prompt" in r else r["turns"][0], "category": r["category"]}
+        {
+            "prompt": r["prompt"] if "prompt" in r else r["turns"][0],
+            "category": r["category"],
+            **({"source": r["source"]} if "source" in r else {}),
+        }
         for r in records
     ]
 
@@ -107,11 +141,12 @@ def timed_generation(llm: LLM, prompt: str, params: SamplingParams) -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """{set: {temperature: {category or "all": figures}}} over the rows."""
+    """{set: {temperature: {category, "from SOURCE" or "all": figures}}} over the rows."""
     summary: dict = {}
     for row in rows:
         by_temperature = summary.setdefault(row["set"], {}).setdefault(str(row["temperature"]), {})
-        for key in (row["category"], "all"):
+        sources = (f"from {row['source']}",) if "source" in row else ()
+        for key in (row["category"], *sources, "all"):
             by_temperature.setdefault(key, []).append(row)
     return {
         set_name: {
@@ -159,7 +194,7 @@ def print_summary(summary: dict) -> None:
         for temperature, groups in by_temperature.items():
             for key, g in groups.items():
                 print(
-                    f"{set_name:>8} T={temperature:<4} {key:>11} ({g['prompts']:>2}): "
+                    f"{set_name:>8} T={temperature:<4} {key:>13} ({g['prompts']:>2}): "
                     f"AR {g['ar_tok_s']:5.1f}, EAGLE {g['eagle_tok_s']:5.1f} tokens/s, "
                     f"{g['vs_ar']:.2f}x, {g['tokens_per_step']:.2f} tokens/step"
                 )
