@@ -5,9 +5,9 @@ reasoning) decodes ``--max-tokens`` tokens (EOS ignored) through Aerie without a
 with one (the draft controller on, as `aerie serve` runs it), greedy and at temperature 0.7
 (seeded: both engines emit the same tokens). The two take turns per prompt, the order flipping
 from one prompt to the next, so the machine's drift hits both alike. Reported per set,
-temperature and category (and, for the dev set, source: its ShareGPT prompts come from the
-slice head training holds out): each engine's tokens/s, speculation's ratio to AR (AR's seconds over
-its own, for the same tokens) and the tokens per decode step. Writes ``speedup.json``
+temperature and category (and, for the dev set, source: its ShareGPT prompts come from the slice
+head training holds out): each engine's tokens/s, speculation's ratio to AR (AR's seconds over its
+own, for the same tokens) and the tokens per decode step. Writes ``speedup.json``
 (``speedup_TAG.json`` with ``--tag``) and its plot to ``--out-dir``. From the repository root:
 
     .venv/bin/python benchmarks/bench_speedup.py                       # ~42 minutes
