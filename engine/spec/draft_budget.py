@@ -66,7 +66,7 @@ class DraftBudget:
         """A live pass of `num_tokens` tokens took `seconds`."""
         self.pass_cost.observe(num_tokens, seconds)
 
-    def observe_acceptance(self, expected: float, accepted: int) -> None:
+    def observe_acceptance(self, expected: float, accepted: float) -> None:
         """Tokens the verified drafts were expected to add (sum of exp(value)), and added."""
         self.expected = _DECAY * self.expected + expected
         self.accepted = _DECAY * self.accepted + accepted
@@ -75,8 +75,7 @@ class DraftBudget:
         """A drafting step verified no node: no evidence on the head, so the calibration moves
         one observation's weight back toward its prior. Without this a collapsed calibration
         would keep every draft out and never learn again."""
-        self.expected = _DECAY * self.expected + (1 - _DECAY) * _PRIOR
-        self.accepted = _DECAY * self.accepted + (1 - _DECAY) * _PRIOR
+        self.observe_acceptance((1 - _DECAY) * _PRIOR, (1 - _DECAY) * _PRIOR)
 
     def _walk_seconds(self, num_accepted, num_sampled: int, num_nodes):
         """Seconds the lm_head spends on draft nodes beyond the pass's sampled rows: their rows
