@@ -58,10 +58,12 @@ bench: setup
 # starts from the last round and the answers committed by benchmarks/head_training.py
 # (--seed, --distilled-seed).
 CAMPAIGN ?= $(HOME)/.cache/aerie/runs/campaign-first-turns
+LATER_SEED := $(CURDIR)/benchmarks/data/distilled_later_turns.jsonl.gz
 head-campaign: setup
 	mkdir -p $(CAMPAIGN)
 	nohup nice -n 19 $(VENV)/bin/aerie head-campaign --out $(CAMPAIGN) $(if $(ROUNDS),--rounds $(ROUNDS)) \
 	  --dev-set $(CURDIR)/benchmarks/data/dev_set.jsonl \
 	  --distilled-seed $(CURDIR)/benchmarks/data/distilled_first_turns.jsonl.gz \
+	  $(if $(wildcard $(LATER_SEED)),--later-seed $(LATER_SEED)) \
 	  --seed $(CURDIR)/benchmarks/results/head_training.json >> $(CAMPAIGN)/log.txt 2>&1 & \
 	  echo $$! > $(CAMPAIGN)/pid

@@ -1,9 +1,10 @@
 """The head campaign's learning curve, copied into benchmarks/results with its plot: acceptance
 length on the dev set, per category and tree shape, against training tokens seen. Its last
 round's head is copied beside it (head_training_head/), and its distilled answers, in the order
-the rounds read them, over benchmarks/data/distilled_first_turns.jsonl.gz: `make head-campaign`
-on a new machine resumes from those copies (`--seed`, `--distilled-seed`) instead of distilling
-and training every round again.
+the rounds read them, over benchmarks/data/distilled_first_turns.jsonl.gz (later turns:
+distilled_later_turns.jsonl.gz): `make head-campaign` on a new machine resumes from those copies
+(`--seed`, `--distilled-seed`, `--later-seed`) instead of distilling and training every round
+again.
 
     make head-campaign                                       # runs (or resumes) in the background
     .venv/bin/python benchmarks/head_training.py             # results/head_training.json + .png
@@ -25,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CAMPAIGN = Path.home() / ".cache" / "aerie" / "runs" / "campaign-first-turns"
 LAST_HEAD = "head_training_head"  # beside the results file
 ANSWERS = REPO_ROOT / "benchmarks" / "data" / "distilled_first_turns.jsonl.gz"
+LATER_ANSWERS = REPO_ROOT / "benchmarks" / "data" / "distilled_later_turns.jsonl.gz"
 
 
 def main() -> None:
@@ -32,8 +34,10 @@ def main() -> None:
     parser.add_argument("--campaign", type=Path, default=CAMPAIGN, help="its --out folder")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     parser.add_argument("--answers", type=Path, default=ANSWERS, help="the committed answers")
+    parser.add_argument("--later-answers", type=Path, default=LATER_ANSWERS)
     args = parser.parse_args()
     commit_distilled(args.campaign / "distilled.jsonl", args.answers)
+    commit_distilled(args.campaign / "later_turns.jsonl", args.later_answers)
     curve = json.loads((args.campaign / "head_training.json").read_text())
     shipped_path = args.campaign / "shipped_head.json"
     shipped = json.loads(shipped_path.read_text()) if shipped_path.exists() else None

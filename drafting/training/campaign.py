@@ -15,7 +15,13 @@ redone if it was cut short. A measured round's cached features are deleted (a la
 reads them). The learning curve, one record per finished round, is `OUT/head_training.json`;
 `OUT/best-head` is the head of the round that measured best. After the first round the shipped
 head is measured once on the same dev set (`OUT/shipped_head.json`), the figure a round's head
-must beat."""
+must beat.
+
+Self-distilled rounds then go on to later turns (`later_rounds`): the first-turn answers are
+continued, each conversation's later user turns answered after the target's own earlier answers
+(`distill-data --continue-from`, into `OUT/later_turns.jsonl`, only records that gained a turn),
+and each such round trains on the records no earlier one read; `later_seed` starts them from a
+committed file."""
 
 from __future__ import annotations
 
@@ -45,6 +51,10 @@ class CampaignConfig:
     self_distil: bool = True  # train on the target's answers (distilled first), not the source's
     distil_turns: int = 1  # user turns the target answers per distilled conversation
     distilled_seed: Path | None = None  # committed answers (distill-data's JSONL) to start from
+    # with self_distil, later-turn records read by the end of each round after `rounds`
+    later_rounds: tuple[int, ...] = (3000, 6000, 9000, 12000)
+    later_turns: int = 4  # user turns answered per conversation in later-turn records
+    later_seed: Path | None = None  # committed later-turn records to start from
     max_tokens: int = 160  # per distilled answer
     sampled_share: float = 0.0  # of distilled conversations answered by sampling
     arch: str = "eagle3"
@@ -59,8 +69,33 @@ class CampaignConfig:
     train: dict = field(default_factory=dict)  # further TrainConfig fields
 
     def __post_init__(self) -> None:
-        if not self.rounds or list(self.rounds) != sorted(set(self.rounds)):
-            raise AerieError(f"rounds must be increasing conversation counts, got {self.rounds}")
+        for name in ("rounds", "later_rounds"):
+            counts = getattr(self, name)
+            if list(counts) != sorted(set(counts)) or (name == "rounds" and not counts):
+                raise AerieError(f"{name} must be increasing conversation counts, got {counts}")
+
+
+@dataclass(frozen=True)
+class _Round:
+    """What a round trains on: records [start, stop) of its data (the source's conversations,
+    the first-turn answers, or with `later` the later-turn records)."""
+
+    start: int
+    stop: int
+    later: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"round-later-{self.stop}" if self.later else f"round-{self.stop}"
+
+
+def _schedule(config: CampaignConfig) -> list[_Round]:
+    """Every round of the campaign, in order."""
+    first = [_Round(a, b) for a, b in zip((0, *config.rounds), config.rounds)]
+    if not config.self_distil:
+        return first
+    later = zip((0, *config.later_rounds), config.later_rounds)
+    return first + [_Round(a, b, later=True) for a, b in later]
 
 
 def run_campaign(config: CampaignConfig) -> Path:
@@ -71,14 +106,14 @@ def run_campaign(config: CampaignConfig) -> Path:
     curve = json.loads(curve_path.read_text()) if curve_path.exists() else []
     curve = _adopt_seed(config, out, curve)
     dev_set = read_dev_set(config.dev_set)
-    for index, conversations in enumerate(config.rounds):
+    schedule = _schedule(config)
+    for index, round_ in enumerate(schedule):
         if index < len(curve):
             continue
-        data = _distilled(config, out, conversations) if config.self_distil else config.data
-        first = config.rounds[index - 1] if index else 0
-        previous = out / f"round-{first}" / "head" if index else None
-        folder = out / f"round-{conversations}"
-        train = _train_config(config, data, folder, range(first, conversations), previous)
+        previous = out / schedule[index - 1].name / "head" if index else None
+        folder = out / round_.name
+        data = _round_data(config, out, round_)
+        train = _train_config(config, data, folder, range(round_.start, round_.stop), previous)
         head = _trained(train)
         acceptance = acceptance_lengths(
             config.target, head, dev_set, max_tokens=config.eval_max_tokens
@@ -87,7 +122,8 @@ def run_campaign(config: CampaignConfig) -> Path:
         curve.append(
             {
                 "round": index,
-                "conversations": conversations,
+                "conversations": round_.stop,
+                "later_turns": round_.later,
                 "arch": config.arch,
                 "recipe": _recipe(train),
                 "training_tokens_seen": seen,
@@ -121,15 +157,15 @@ def _adopt_seed(config: CampaignConfig, out: Path, curve: list[dict]) -> list[di
     rounds, head = seed.get("rounds", []), seed.get("last_head")
     if len(rounds) <= len(curve) or head is None:
         return curve
-    last = len(rounds) - 1
-    folder = out / f"round-{config.rounds[last]}"
-    read = range(config.rounds[last - 1] if last else 0, config.rounds[last])
-    expected = _recipe(_train_config(config, Path(config.data), folder, read, None))
-    if [r["conversations"] for r in rounds] != list(config.rounds[: len(rounds)]) or any(
+    schedule = _schedule(config)
+    expected = _recipe(_train_config(config, Path(config.data), out, range(0), None))
+    ran = [(r["conversations"], r.get("later_turns", False)) for r in rounds]
+    if ran != [(r.stop, r.later) for r in schedule[: len(ran)]] or any(
         r["arch"] != config.arch or r["recipe"] != expected for r in rounds
     ):
         print(f"seed {config.seed} ran another campaign: not adopted", flush=True)
         return curve
+    folder = out / schedule[len(rounds) - 1].name
     shutil.copytree(Path(config.seed).parent / head, folder / "head", dirs_exist_ok=True)
     adopted = [{**r, "head": str(folder / "head") if r is rounds[-1] else None} for r in rounds]
     (out / "head_training.json").write_text(json.dumps(adopted, indent=2) + "\n")
@@ -139,25 +175,55 @@ def _adopt_seed(config: CampaignConfig, out: Path, curve: list[dict]) -> list[di
     return adopted
 
 
-def _distilled(config: CampaignConfig, out: Path, conversations: int) -> Path:
-    """OUT/distilled.jsonl holding at least `conversations` records: the seed's first, in its
-    order, when the file is new, so a seeded round reads exactly the records it was trained on.
-    Only first turns whose prompt and answer fit the training's tokens per conversation are
-    answered: training cuts the rest, and their long prompts cost most of the prefill."""
-    data = out / "distilled.jsonl"
-    if config.distilled_seed is not None and not data.exists():
-        with open_text(config.distilled_seed) as seed, data.open("w") as copy:
-            shutil.copyfileobj(seed, copy)
+def _round_data(config: CampaignConfig, out: Path, round_: _Round) -> Path | str:
+    """The data a round reads: the source, or answers distilled up to the round's last record."""
+    if not config.self_distil:
+        return config.data
+    first_turns = _distilled(
+        config,
+        out / "distilled.jsonl",
+        config.distilled_seed,
+        config.rounds[-1] if round_.later else round_.stop,
+        config.distil_turns,
+    )
+    if not round_.later:
+        return first_turns
+    return _distilled(
+        config,
+        out / "later_turns.jsonl",
+        config.later_seed,
+        round_.stop,
+        config.later_turns,
+        first_turns,
+    )
+
+
+def _distilled(
+    config: CampaignConfig,
+    data: Path,
+    seed: Path | None,
+    records: int,
+    turns: int,
+    continue_from: Path | None = None,
+) -> Path:
+    """`data` holding at least `records` records: the seed's first, in its order, when the file
+    is new, so a seeded round reads exactly the records it was trained on. Only turns whose
+    prompt and answer fit the training's tokens per conversation are answered: training cuts
+    the rest, and their long prompts cost most of the prefill."""
+    if seed is not None and not data.exists():
+        with open_text(seed) as committed, data.open("w") as copy:
+            shutil.copyfileobj(committed, copy)
     distill(
         DistillConfig(
             config.target,
             config.data,
             data,
-            max_conversations=conversations,
+            max_conversations=records,
             max_context_tokens=config.train.get("max_tokens", TrainConfig.max_tokens),
             max_tokens=config.max_tokens,
-            max_turns=config.distil_turns,
+            max_turns=turns,
             sampled_share=config.sampled_share,
+            continue_from=continue_from,
         )
     )
     return data

@@ -12,6 +12,10 @@ Conversations stream through the engine's continuous batching, one turn of each 
 written as soon as its conversation is complete, naming its source conversation, so a long one
 never holds back the others and a rerun answers only the sources no record names. The held-out
 slice (`HOLDOUT_EVERY`) is skipped, as are conversations whose first turn does not fit.
+
+With `continue_from` (earlier records of this command, such as first turns), each of its records
+is replayed from its last answer instead: the target answers the conversation's later user turns,
+and only the records that gained a turn are written.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from drafting.training.data import Message, is_held_out, load_conversations
+from drafting.training.data import Message, is_held_out, load_conversations, open_text
 from engine.llm import LLM
 from engine.outputs import RequestOutput
 from engine.sampling.sampling_params import SamplingParams
@@ -43,6 +47,7 @@ class DistillConfig:
     sampled_temperature: float = 0.7
     max_num_seqs: int = 96  # turns generated at once
     seed: int = 0
+    continue_from: Path | None = None  # earlier records whose later turns are answered
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sampled_share <= 1.0:
@@ -60,7 +65,20 @@ class _Replay:
     messages: list[Message] = field(default_factory=list)  # distilled so far
     next_turn: int = 0  # position in `source` of the next message to copy
     turns_answered: int = 0
+    turns_before: int = 0  # answered by an earlier record this replay continues
     asked: Message | None = None  # the user turn being answered
+
+    @classmethod
+    def after(cls, index: int, source: list[Message], messages: list[Message]) -> _Replay:
+        """The replay of `source` that continues an earlier record's `messages`."""
+        turns = sum(m["role"] == "assistant" for m in messages)
+        users = [i for i, m in enumerate(source) if m["role"] == "user"]
+        next_turn = users[turns - 1] + 1 if turns else 0  # past the last user turn answered
+        return cls(index, source, list(messages), next_turn, turns, turns)
+
+    @property
+    def gained_a_turn(self) -> bool:
+        return self.turns_answered > self.turns_before
 
     def next_prompt(self) -> list[Message] | None:
         """The messages up to the next user turn, or None when the source has none left."""
@@ -83,13 +101,14 @@ def distill(config: DistillConfig) -> Path:
     written = _written_sources(out)
     done = len(written)
     llm = LLM(config.target, draft=None, max_num_seqs=config.max_num_seqs)
-    sources = (s for s in _training_conversations(config) if s[0] not in written)
+    replays = _continued(config) if config.continue_from else _fresh(config)
+    replays = (r for r in replays if r.index not in written)
     total = config.max_conversations
     bar = tqdm(total=total, initial=done, desc="distilling", unit="conversation")
     # conversations complete in bursts (every turn of one must finish): the tokens show progress
     tokens = tqdm(desc="answer tokens", unit="token", position=1, mininterval=30)
     with out.open("a") as file:
-        for record in islice(_answers(llm, sources, config, tokens.update), max(total - done, 0)):
+        for record in islice(_answers(llm, replays, config, tokens.update), max(total - done, 0)):
             file.write(record)
             file.flush()
             bar.update()
@@ -100,24 +119,23 @@ def distill(config: DistillConfig) -> Path:
 
 def _answers(
     llm: LLM,
-    sources: Iterable[tuple[int, list[Message]]],
+    replays: Iterable[_Replay],
     config: DistillConfig,
     count_tokens: Callable[[int], object] = lambda n: None,
 ):
-    """JSONL records of the replayed conversations, each as soon as it is complete. Twice
-    `max_num_seqs` conversations are kept in flight, so a finished one's slot is taken at once.
-    `count_tokens` hears how many answer tokens each engine step generated."""
+    """JSONL records of the replayed conversations that gained a turn, each as soon as it is
+    complete. Twice `max_num_seqs` conversations are kept in flight, so a finished one's slot is
+    taken at once. `count_tokens` hears how many answer tokens each engine step generated."""
     engine = llm.engine
-    sources = iter(sources)
+    replays = iter(replays)
     in_flight: dict[str, tuple[_Replay, RequestOutput | None]] = {}
     while True:
         while len(in_flight) < 2 * config.max_num_seqs:
-            item = next(sources, None)
-            if item is None:
+            replay = next(replays, None)
+            if replay is None:
                 break
-            replay = _Replay(*item)
             if not _submit_next_turn(llm, replay, config, in_flight):
-                continue  # its first turn does not fit
+                continue  # its next turn does not fit
         if not engine.has_unfinished_requests():
             break
         deltas = engine.step()
@@ -133,7 +151,7 @@ def _answers(
                 answer = {"role": "assistant", "content": output.outputs[0].text}
                 replay.messages.extend([replay.asked, answer])
                 replay.turns_answered += 1
-                if not _submit_next_turn(llm, replay, config, in_flight):
+                if not _submit_next_turn(llm, replay, config, in_flight) and replay.gained_a_turn:
                     yield replay.record()
 
 
@@ -168,11 +186,21 @@ def _is_sampled(index: int, share: float) -> bool:
     return int((index + 1) * share) > int(index * share)
 
 
-def _training_conversations(config: DistillConfig) -> Iterator[tuple[int, list[Message]]]:
-    """(index, messages) of each source conversation outside the held-out slice."""
+def _fresh(config: DistillConfig) -> Iterator[_Replay]:
+    """A replay of each source conversation outside the held-out slice, from its start."""
     for index, messages in enumerate(load_conversations(config.data)):
         if not is_held_out(index):
-            yield index, messages
+            yield _Replay(index, messages)
+
+
+def _continued(config: DistillConfig) -> Iterator[_Replay]:
+    """A replay of each `continue_from` record, in its order, from the record's last answer."""
+    sources = list(load_conversations(config.data))
+    with open_text(config.continue_from) as lines:
+        for line in lines:
+            if line.strip():
+                record = json.loads(line)
+                yield _Replay.after(record["source"], sources[record["source"]], record["messages"])
 
 
 def _written_sources(path: Path) -> set[int]:

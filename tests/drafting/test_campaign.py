@@ -161,6 +161,43 @@ def test_self_distilled_rounds_train_on_the_targets_answers(bigram_target, sourc
     assert first != tokens_in(bigram_target, source, 0, 4, 128)  # the target's answers, not these
 
 
+@pytest.mark.slow
+def test_later_rounds_train_on_the_first_turns_continued(
+    bigram_target, source, tmp_path, monkeypatch
+):
+    trainings = []
+    train_head = campaign.train_head
+    monkeypatch.setattr(campaign, "train_head", lambda c: trainings.append(c) or train_head(c))
+    config = replace(
+        campaign_config(bigram_target, tmp_path, source, self_distil=True),
+        later_rounds=(2, 4),
+        later_turns=3,
+    )
+    config = replace(config, train={**config.train, "max_tokens": 512})  # room for later turns
+    curve = json.loads(run_campaign(config).read_text())
+
+    assert [(r["conversations"], r["later_turns"]) for r in curve] == [
+        (4, False),
+        (8, False),
+        (2, True),
+        (4, True),
+    ]
+    run = tmp_path / "run"
+    first_turns = {
+        r["source"]: r["messages"] for r in map(json.loads, (run / "distilled.jsonl").open())
+    }
+    later = [json.loads(line) for line in (run / "later_turns.jsonl").open()]
+    assert sorted(r["source"] for r in later) == [2, 4, 5, 8]  # the multi-turn ones of 1-8
+    for record in later:  # each continues its first-turn record with later turns
+        assert record["messages"][:3] == first_turns[record["source"]]
+        assert 2 <= sum(m["role"] == "assistant" for m in record["messages"]) <= 3
+    later_path = run / "later_turns.jsonl"
+    tokens = [tokens_in(bigram_target, later_path, a, b, 512) for a, b in [(0, 2), (2, 4)]]
+    seen = [r["training_tokens_seen"] for r in curve]
+    assert [seen[2] - seen[1], seen[3] - seen[2]] == [2 * tokens[0], 2 * tokens[1]]
+    assert trainings[2].init_head == str(run / "round-8" / "head")  # trained on from there
+
+
 def test_a_seeded_distillation_keeps_the_committed_answers_and_answers_the_rest(
     bigram_target, source, tmp_path
 ):
@@ -175,7 +212,8 @@ def test_a_seeded_distillation_keeps_the_committed_answers_and_answers_the_rest(
         distil_turns=1,
         distilled_seed=seed,
     )
-    records = [json.loads(line) for line in campaign._distilled(config, tmp_path, 8).open()]
+    answers = campaign._round_data(config, tmp_path, campaign._Round(0, 8))
+    records = [json.loads(line) for line in answers.open()]
 
     with gzip.open(seed, "rt") as committed:
         assert records[:4] == [json.loads(line) for line in committed]
@@ -196,7 +234,8 @@ def test_the_campaign_answers_only_first_turns_that_training_reads_whole(
     lines[2] = json.dumps(long)
     source.write_text("\n".join(lines) + "\n")
     config = campaign_config(bigram_target, tmp_path, source, self_distil=True)
-    records = [json.loads(line) for line in campaign._distilled(config, tmp_path, 4).open()]
+    answers = campaign._round_data(config, tmp_path, campaign._Round(0, 4))
+    records = [json.loads(line) for line in answers.open()]
 
     assert sorted(r["source"] for r in records) == [1, 3, 4, 5]  # 0 is held out, 2 too long
     tokenizer = AutoTokenizer.from_pretrained(bigram_target)
@@ -229,6 +268,9 @@ def test_the_command_line_builds_the_campaign_it_names(flag, self_distil, tmp_pa
     monkeypatch.setattr(campaign, "run_campaign", lambda config: configs.append(config) or "")
     argv = ["head-campaign", "--out", str(tmp_path), "--dev-set", "dev.jsonl", "--rounds", "5,9"]
     main(argv + flag + ["--epochs", "3", "--distilled-seed", "answers.jsonl.gz"])
+    main(argv + flag + ["--later-rounds", "3,6", "--later-seed", "later.jsonl.gz"])
     assert configs[0].self_distil is self_distil
     assert (configs[0].rounds, configs[0].epochs) == ((5, 9), 3)
     assert configs[0].distilled_seed == Path("answers.jsonl.gz")
+    assert configs[0].later_rounds == CampaignConfig.later_rounds
+    assert (configs[1].later_rounds, configs[1].later_seed) == ((3, 6), Path("later.jsonl.gz"))

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from drafting.training.data import HOLDOUT_EVERY, load_conversations
-from drafting.training.distill import DistillConfig, _answers, _is_sampled, distill
+from drafting.training.distill import DistillConfig, _answers, _is_sampled, _Replay, distill
 from engine import LLM, SamplingParams
 from tests.drafting.test_training import write_jsonl
 
@@ -106,6 +106,37 @@ def test_the_sampled_share_is_spread_evenly_and_seeded(bigram_target, tmp_path):
     assert distill(greedy).read_text() != runs[0]
 
 
+def records_by_source(path) -> dict[int, list[dict]]:
+    return {r["source"]: r["messages"] for r in map(json.loads, path.open())}
+
+
+@pytest.mark.slow
+def test_later_turns_continue_the_earlier_records_answers(bigram_target, tmp_path):
+    source = write_multi_turn(tmp_path / "source.jsonl", [1, 3, 2, 1, 4])
+
+    def config(out, **fields):
+        path = tmp_path / out
+        return DistillConfig(str(bigram_target), str(source), path, max_tokens=8, **fields)
+
+    first = distill(config("first.jsonl", max_turns=1))
+    whole = records_by_source(distill(config("whole.jsonl", max_turns=3)))
+    later = records_by_source(distill(config("later.jsonl", max_turns=3, continue_from=first)))
+
+    multi_turn = {i: m for i, m in whole.items() if sum(x["role"] == "assistant" for x in m) > 1}
+    assert set(multi_turn) == {1, 2, 4}  # 0 is held out, 3 has one user turn
+    assert later == multi_turn  # the same answers as replaying whole conversations
+
+    earlier = [json.loads(line) for line in first.open()]
+    for record in earlier:  # the continuation reads each record's answer, not a new one
+        record["messages"][-1]["content"] = f"an earlier answer {record['source']}"
+    first.write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    edited = records_by_source(distill(config("edited.jsonl", max_turns=2, continue_from=first)))
+    assert set(edited) == {1, 2, 4}
+    for index, messages in edited.items():
+        assert messages[:3] == next(r["messages"] for r in earlier if r["source"] == index)
+        assert [m["role"] for m in messages[3:]] == ["user", "assistant"]
+
+
 def test_an_invalid_share_is_refused():
     with pytest.raises(ValueError, match="sampled_share"):
         DistillConfig("m", "d", "o", sampled_share=1.5)
@@ -124,7 +155,8 @@ def test_conversations_stream_through_two_slots_and_name_their_sources(bigram_ta
     llm.engine.stats_listeners.append(lambda stats: most_running.append(stats.num_running))
     config = DistillConfig(str(bigram_target), "unused", "unused", max_tokens=6, max_num_seqs=2)
 
-    records = [json.loads(r) for r in _answers(llm, sources, config)]
+    replays = [_Replay(index, messages) for index, messages in sources]
+    records = [json.loads(r) for r in _answers(llm, replays, config)]
 
     assert max(most_running) == 2
     assert records[-1]["source"] == 0  # written last, not holding the others back
