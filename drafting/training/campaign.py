@@ -19,9 +19,9 @@ must beat.
 
 Self-distilled rounds then go on to later turns (`later_rounds`): the first-turn answers are
 continued, each conversation's later user turns answered after the target's own earlier answers
-(`distill-data --continue-from`, into `OUT/later_turns.jsonl`, only records that gained a turn),
-and each such round trains on the records no earlier one read; `later_seed` starts them from a
-committed file."""
+(`distill-data --continue-from`, into `OUT/later_turns.jsonl`, only records that gained a turn;
+`later_sampled_share` of them sampled, for sampled traffic), and each such round trains on the
+records no earlier one read; `later_seed` starts them from a committed file."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ class CampaignConfig:
     # with self_distil, later-turn records read by the end of each round after `rounds`
     later_rounds: tuple[int, ...] = (3000, 6000, 9000, 12000)
     later_turns: int = 4  # user turns answered per conversation in later-turn records
+    later_sampled_share: float = 0.25  # of later-turn records answered by sampling
     later_seed: Path | None = None  # committed later-turn records to start from
     max_tokens: int = 160  # per distilled answer
     sampled_share: float = 0.0  # of distilled conversations answered by sampling
@@ -189,7 +190,7 @@ def _round_data(config: CampaignConfig, out: Path, round_: _Round) -> Path | str
     if not round_.later:
         return first_turns
     return _distilled(
-        config,
+        replace(config, sampled_share=config.later_sampled_share),
         out / "later_turns.jsonl",
         config.later_seed,
         round_.stop,
