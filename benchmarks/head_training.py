@@ -55,8 +55,9 @@ def main() -> None:
 
 
 def plot(curve: list[dict], shipped: dict | None, path: Path) -> None:
-    """Acceptance length per category against tokens seen, one panel per tree shape; the shipped
-    head's, over every prompt, as a dashed line."""
+    """Acceptance length per category against tokens seen, one panel per tree shape; the head
+    shipped when the campaign began (its `shipped_head.json`), over every prompt, as a dashed
+    line."""
     shapes = list(curve[0]["acceptance_length"])
     with png_figure(path, ncols=len(shapes), figsize=(6 * len(shapes), 4.2)) as axes:
         for ax, shape in zip(axes if len(shapes) > 1 else [axes], shapes):
@@ -66,7 +67,9 @@ def plot(curve: list[dict], shipped: dict | None, path: Path) -> None:
                 ax.plot(tokens, lengths, marker="o", label=category)
             if shipped is not None and shape in shipped["acceptance_length"]:
                 reference = shipped["acceptance_length"][shape]["all"]
-                ax.axhline(reference, color="gray", linestyle="--", label="shipped head, all")
+                ax.axhline(
+                    reference, color="gray", linestyle="--", label="head shipped at the start, all"
+                )
             ax.set(
                 title=f"tree {shape}", xlabel="training tokens seen (M)", ylabel="acceptance length"
             )
